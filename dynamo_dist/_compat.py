@@ -1,0 +1,101 @@
+"""The one place where dynamo_dist touches private torch APIs.
+
+Each entry names the torch version it was checked on. Everything else in the package imports
+these names from here, so a torch upgrade is a change to this file (and its test,
+``tests/test_compat.py``), not a hunt through the tree.
+
+Checked on: torch 2.13.0 (CPU build); import also checked on 2.11.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+TORCH_CHECKED = ("2.11", "2.13")
+
+# -- FX / tracing (2.13) ------------------------------------------------------------------
+from torch._subclasses.fake_tensor import FakeTensorMode, FakeTensor  # noqa: E402,F401
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402,F401
+from torch._guards import TracingContext, tracing, detect_fake_mode  # noqa: E402,F401
+
+# -- Inductor (2.13) ------------------------------------------------------------------------
+from torch._inductor.compile_fx import compile_fx_inner  # noqa: E402,F401
+from torch._inductor.decomposition import select_decomp_table  # noqa: E402,F401
+from torch._functorch.partitioners import (  # noqa: E402,F401
+    default_partition,
+    min_cut_rematerialization_partition,
+)
+
+# -- DTensor internals (2.13): spec classes and the strategy registry ----------------------
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402,F401
+from torch.distributed.tensor._op_schema import (  # noqa: E402,F401
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    TupleStrategy,
+)
+
+
+def sharding_propagator():
+    """DTensor's global ShardingPropagator (holds the per-op strategy registry)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def dtensor_op_strategy(op_schema: OpSchema, out_tensor_meta: Any) -> Any:
+    """Ask DTensor's registry for the full OpStrategy of ``op_schema`` (args hold DTensorSpecs).
+
+    Returns an ``OpStrategy``/``TupleStrategy``, or ``None`` when DTensor has no strategy for the op
+    (its rule-based and decomposition paths are not used: they decide, they do not enumerate).
+    """
+    prop = sharding_propagator()
+    op = op_schema.op
+    single = getattr(prop, "op_single_dim_strategy_funcs", {}).get(op)
+    func = prop.op_strategy_funcs.get(op)
+    if single is None and func is None:
+        return None
+    if op in prop.op_to_schema_info:
+        op_schema.schema_info = prop.op_to_schema_info[op]
+    elif op in getattr(prop, "op_to_schema_info_for_single_dim_strategy", {}):
+        op_schema.schema_info = prop.op_to_schema_info_for_single_dim_strategy[op]
+    strategy_schema = prop._wrap_with_op_strategy(op_schema)
+    if single is not None:
+        from torch.distributed.tensor._ops.single_dim_strategy import (
+            _expand_single_dim_strategy_to_mesh,
+        )
+
+        mesh = op_schema.get_mesh_from_args(validate=False)
+        expand = _expand_single_dim_strategy_to_mesh(mesh, strategy_schema, single, out_tensor_meta)
+        return expand(op, strategy_schema.args_meta, strategy_schema.kwargs_meta)
+    return func(strategy_schema)
+
+
+# -- Local tensor simulation (2.13) ----------------------------------------------------------
+def disable_local_tensor_mode() -> contextlib.AbstractContextManager:
+    """A backend must not run its own tracing under LocalTensorMode (it would recurse)."""
+    try:
+        from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    except ImportError:  # torch 2.11 has no LocalTensorMode
+        return contextlib.nullcontext()
+    return maybe_disable_local_tensor_mode()
+
+
+def allow_implicit_replication(enabled: bool = True) -> None:
+    """Let DTensor treat plain tensors mixed with DTensors as Replicate.
+
+    Dynamo computes example values of a program with DTensor parameters by running DTensor's own
+    dispatch on fake tensors; single-device-style code (rotary tables, masks, labels built from plain
+    tensors) mixes plain tensors in, and plain tensors are replicated global values in our semantics.
+    """
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher._allow_implicit_replication = enabled
+
+
+def force_non_lazy_backward() -> contextlib.AbstractContextManager:
+    return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
+

@@ -1,0 +1,138 @@
+"""The ``dist`` torch.compile backend: the orchestrator of one compilation.
+
+Order of steps (each a small module):
+  1. capture    Dynamo graph -> joint forward+backward ATen graph, global semantics
+  2. propagate  every node gets an OpSpec (rules + whole-graph propagation + cost) -> Plan
+  3. lower      Plan -> local joint graph of this rank + collective ledger
+  4. compile    partition forward/backward, Inductor for each
+  5. runtime    DistStep: DTensor in, DTensor out, autograd through the compiled halves
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from inductor_passes.compile import compile_joint
+from inductor_passes.lowering import lower
+from inductor_passes.sharding.placements import Placements, replicate
+from inductor_passes.sharding.propagate import Plan, propagate
+
+from . import _compat
+from .annotations import CONSTRAINT_OP, decode_spec, mesh_from_key
+from .capture import JointProgram, trace_joint
+from .errors import DistCompileError
+from .ledger import CollectiveLedger
+from .runtime import DistStep
+
+log = logging.getLogger("dynamo_dist")
+
+
+@dataclasses.dataclass
+class CompileRecord:
+    """What one compilation produced, for tests, the demo and ``explain``."""
+
+    plan: Plan
+    ledger: CollectiveLedger
+    seconds: dict[str, float]
+    program: JointProgram
+    step: DistStep | None
+
+
+_RECORDS: list[CompileRecord] = []
+
+
+def compile_records() -> list[CompileRecord]:
+    """Every graph compiled by the ``dist`` backend in this process, oldest first."""
+    return list(_RECORDS)
+
+
+def clear_compile_records() -> None:
+    _RECORDS.clear()
+
+
+def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None):
+    """torch.compile backend entry point (registered as ``dist``).
+
+    options: ``inductor`` (bool, default True): compile the local graphs with Inductor; False runs
+    them as FX graphs (for debugging).
+    """
+    opts = dict(options or {})
+    with _compat.disable_local_tensor_mode():
+        return _compile(gm, list(example_inputs), bool(opts.pop("inductor", True)))
+
+
+def _constraints(gm: fx.GraphModule):
+    found = {}
+    for node in gm.graph.find_nodes(op="call_function", target=CONSTRAINT_OP):
+        found[node] = decode_spec(node.args[1])
+    return found
+
+
+def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    program = trace_joint(gm, example_inputs)
+    seconds["capture"] = time.perf_counter() - t
+
+    constraints = _constraints(program.graph_module)
+    mesh = program.mesh
+    for key, _ in constraints.values():
+        cmesh = mesh_from_key(key)
+        if mesh is None:
+            mesh = cmesh
+        elif cmesh != mesh:
+            raise DistCompileError("a sharding constraint names another mesh than the inputs",
+                                   mesh=mesh, fix="use one DeviceMesh per compiled program")
+    if mesh is None:
+        log.info("dynamo_dist: no DTensor input and no annotation; compiling as one device")
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs) if inductor else gm
+
+    ndim = mesh.ndim
+    primal_pl: list[Placements] = [i.placements if i.placements is not None else replicate(ndim)
+                                   for i in program.primal_inputs]
+    origins = [f"DTensor input {i.name}" if i.kind == "dtensor" else
+               f"plain tensor input {i.name} (a global value on every rank)"
+               for i in program.primal_inputs]
+    grad_pl = [p if i.requires_grad else None for p, i in zip(primal_pl, program.primal_inputs)]
+    pinned = {node: pl for node, (_, pl) in constraints.items()}
+
+    t = time.perf_counter()
+    plan = propagate(program.graph_module, mesh, primal_pl, program.num_fwd_outputs,
+                     program.diff_outputs, grad_pl, pinned.get, origins)
+    seconds["plan"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    local_gm, ledger = lower(program.graph_module, plan, mesh, program.num_fwd_outputs)
+    seconds["lower"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    has_bwd = torch.is_grad_enabled() and bool(program.diff_outputs) and \
+        any(i.requires_grad for i in program.primal_inputs)
+    joint = compile_joint(local_gm, program.num_fwd_outputs, has_bwd, inductor)
+    seconds["inductor"] = time.perf_counter() - t
+
+    out_node = next(iter(program.graph_module.graph.find_nodes(op="output")))
+    out_pl = list(plan.nodes[out_node.name].inputs[:program.num_fwd_outputs])
+    fwd_outs = out_node.args[0][:program.num_fwd_outputs]
+    shapes, placements, it = [], [], iter(out_pl)
+    for o in fwd_outs:
+        if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
+            shapes.append(tuple(o.meta["val"].shape))
+            placements.append(next(it))
+        else:
+            shapes.append(None)
+            placements.append(None)
+    step = DistStep(program.inputs, joint, mesh, primal_pl, placements, shapes,
+                    program.diff_outputs if has_bwd else [])
+    _RECORDS.append(CompileRecord(plan, ledger, seconds, program, step))
+    log.info("dynamo_dist: compiled graph (%s); %d collectives", 
+             ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items()), len(ledger.entries))
+    return step

@@ -1,0 +1,183 @@
+"""Capture: Dynamo FX graph + example inputs -> joint forward+backward ATen graph, global semantics.
+
+Dynamo hands the backend a graph whose tensor inputs are DTensors (global shapes), plain tensors
+(global values, identical on every rank) and opaque objects such as DeviceMesh. We bind the
+non-tensor inputs as constants, retrace the graph on plain fake tensors of GLOBAL shape, and trace
+forward and backward together (``torch.autograd.grad`` inside ``make_fx``), decomposed with
+Inductor's table so that the graph we shard is the graph Inductor will compile.
+
+The joint graph follows AOTAutograd's calling convention so its partitioners apply unchanged:
+placeholders ``primals_1..n`` then ``tangents_1..m``; outputs ``(*forward_outputs, *input_grads)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor, DeviceMesh
+from torch.distributed.tensor.placement_types import Placement, Replicate
+
+from . import _compat
+from .errors import DistCompileError
+
+
+@dataclasses.dataclass(frozen=True)
+class InputInfo:
+    """One graph input as the backend received it.
+
+    ``kind`` is "dtensor" (a DTensor: ``placements`` are its own), "tensor" (a plain tensor: a
+    global value present on every rank) or "constant" (a mesh, process group or Python value that
+    is bound into the graph). ``shape`` is the GLOBAL shape.
+    """
+
+    index: int
+    name: str
+    kind: str
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    requires_grad: bool = False
+    mesh: DeviceMesh | None = None
+    placements: tuple[Placement, ...] | None = None
+
+
+@dataclasses.dataclass
+class JointProgram:
+    """The joint graph and what its placeholders and outputs mean.
+
+    ``primal_inputs[i]`` is the InputInfo behind placeholder ``primals_{i+1}``;
+    ``num_fwd_outputs`` outputs come first, then one gradient (or None) per primal;
+    ``diff_outputs[j]`` is the forward output index that tangent ``tangents_{j+1}`` belongs to.
+    """
+
+    graph_module: fx.GraphModule
+    inputs: list[InputInfo]
+    primal_inputs: list[InputInfo]
+    num_fwd_outputs: int
+    diff_outputs: list[int]
+    out_spec: Any
+    mesh: DeviceMesh | None
+
+
+def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[InputInfo]:
+    """Read each example input as metadata; the result is what the plan and runtime key on."""
+    names = [n.target for n in gm.graph.find_nodes(op="placeholder")]
+    infos = []
+    for i, x in enumerate(example_inputs):
+        name = str(names[i]) if i < len(names) else f"arg{i}"
+        if isinstance(x, DTensor):
+            infos.append(InputInfo(i, name, "dtensor", tuple(x.shape), x.dtype, x.requires_grad,
+                                   x.device_mesh, tuple(x.placements)))
+        elif isinstance(x, torch.Tensor):
+            infos.append(InputInfo(i, name, "tensor", tuple(x.shape), x.dtype, x.requires_grad))
+        else:
+            infos.append(InputInfo(i, name, "constant"))
+    return infos
+
+
+def find_mesh(infos: Sequence[InputInfo], example_inputs: Sequence[Any]) -> DeviceMesh | None:
+    """The one DeviceMesh of this program; inputs on two different meshes are an error."""
+    meshes: dict[int, tuple[DeviceMesh, str]] = {}
+    for info, x in zip(infos, example_inputs):
+        mesh = info.mesh if info.kind == "dtensor" else (x if isinstance(x, DeviceMesh) else None)
+        if mesh is not None:
+            meshes.setdefault(id(mesh), (mesh, info.name))
+    distinct: list[tuple[DeviceMesh, str]] = []
+    for mesh, name in meshes.values():
+        if not any(m == mesh for m, _ in distinct):
+            distinct.append((mesh, name))
+    if len(distinct) > 1:
+        (m0, n0), (m1, n1) = distinct[:2]
+        raise DistCompileError(
+            f"inputs live on different device meshes: '{n0}' on {m0} and '{n1}' on {m1}",
+            fix="put every DTensor of one compiled program on the same DeviceMesh "
+            "(slice a larger mesh by axis name, e.g. mesh['tp'], only outside the compiled region)",
+        )
+    return distinct[0][0] if distinct else None
+
+
+def _global_fake(fake_mode, info: InputInfo, x: torch.Tensor) -> torch.Tensor:
+    local = x.to_local() if isinstance(x, DTensor) else x
+    t = torch.empty_strided(info.shape, _contiguous_strides(info.shape), dtype=info.dtype,
+                            device=local.device)
+    t = fake_mode.from_tensor(t, static_shapes=True)
+    return t.requires_grad_(info.requires_grad)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgram:
+    """Trace ``gm`` forward+backward on global-shape fake tensors.
+
+    Shapes: every placeholder and node value of the result carries its GLOBAL shape.
+    Raises DistCompileError when the program mutates an input (not supported yet).
+    """
+    infos = classify_inputs(gm, example_inputs)
+    mesh = find_mesh(infos, example_inputs)
+    fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
+    tensor_infos = [i for i in infos if i.kind != "constant"]
+    with fake_mode:
+        primals = [_global_fake(fake_mode, i, example_inputs[i.index]) for i in tensor_infos]
+
+    def run_forward(*tensors):
+        args = list(example_inputs)
+        for info, t in zip(tensor_infos, tensors):
+            args[info.index] = t
+        with torch.fx.traceback.preserve_node_meta():
+            return torch.fx.Interpreter(gm).run(*args)
+
+    # Forward once on fakes to learn which outputs are differentiable.
+    with fake_mode, torch.enable_grad():
+        outs = run_forward(*primals)
+    flat_outs, out_spec = pytree.tree_flatten(outs)
+    diff_outputs = [i for i, o in enumerate(flat_outs)
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+    with fake_mode:
+        tangents = [torch.empty_like(flat_outs[i], requires_grad=False) for i in diff_outputs]
+        primals = [p.detach().requires_grad_(i.requires_grad) for p, i in zip(primals, tensor_infos)]
+    grad_targets = [k for k, info in enumerate(tensor_infos) if info.requires_grad]
+
+    def joint(primals, tangents):
+        with torch.enable_grad():
+            out = run_forward(*primals)
+        flat, _ = pytree.tree_flatten(out)
+        diff = [flat[i] for i in diff_outputs]
+        grads: list[Any] = [None] * len(primals)
+        if diff and grad_targets:
+            got = torch.autograd.grad(diff, [primals[k] for k in grad_targets], tangents,
+                                      allow_unused=True)
+            for k, g in zip(grad_targets, got):
+                grads[k] = g
+        return (*flat, *grads)
+
+    decomp = _compat.select_decomp_table()
+    with _compat.disable_local_tensor_mode():
+        joint_gm = _compat.make_fx(
+            joint,
+            decomposition_table=decomp,
+            tracing_mode="fake",
+            record_stack_traces=True,
+        )(primals, tangents)
+    _check_functional(joint_gm)
+    joint_gm.graph.eliminate_dead_code()
+    joint_gm.recompile()
+    return JointProgram(joint_gm, infos, tensor_infos, len(flat_outs), diff_outputs, out_spec, mesh)
+
+
+def _check_functional(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            if node.target._schema.is_mutable and node.target is not torch.ops.aten.copy_.default:
+                raise DistCompileError(
+                    f"the traced program still mutates a tensor with {node.target} at {node.name}",
+                    fix="avoid in-place updates of graph inputs inside the compiled region",
+                )

@@ -1,0 +1,71 @@
+"""Partition a local joint graph into forward and backward and compile each with Inductor."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from dynamo_dist import _compat
+
+
+@dataclasses.dataclass
+class CompiledJoint:
+    """Forward and backward callables of one rank, boxed (they take one list of tensors).
+
+    forward(primals) -> [*forward_outputs, *saved]
+    backward([*saved, *tangents]) -> one gradient (or None) per primal
+    """
+
+    forward: Callable
+    backward: Callable | None
+    num_fwd_outputs: int
+    num_saved: int
+    fw_graph: fx.GraphModule
+    bw_graph: fx.GraphModule | None
+
+
+def _example_inputs(gm: fx.GraphModule) -> list:
+    return [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+
+
+def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool) -> Callable:
+    if not inductor:
+        gm.recompile()
+        return lambda args: gm(*args)
+    inputs = _example_inputs(gm)
+    fake_mode = _compat.detect_fake_mode(inputs)
+    with _compat.tracing(_compat.TracingContext(fake_mode)):
+        compiled = _compat.compile_fx_inner(gm, inputs, is_backward=is_backward)
+
+    def run(args):
+        return compiled(list(args))
+
+    return run
+
+
+def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: bool,
+                  inductor: bool = True) -> CompiledJoint:
+    """Partition ``local_gm`` (AOTAutograd joint convention) and compile both halves."""
+    if not has_backward:
+        fw = _strip_grads(local_gm, num_fwd_outputs)
+        return CompiledJoint(_compile(fw, inductor, False), None, num_fwd_outputs, 0, fw, None)
+    fw_gm, bw_gm = _compat.default_partition(local_gm, None, num_fwd_outputs=num_fwd_outputs)
+    fw_out = next(iter(fw_gm.graph.find_nodes(op="output"))).args[0]
+    num_saved = len(fw_out) - num_fwd_outputs
+    return CompiledJoint(_compile(fw_gm, inductor, False), _compile(bw_gm, inductor, True),
+                         num_fwd_outputs, num_saved, fw_gm, bw_gm)
+
+
+def _strip_grads(gm: fx.GraphModule, num_fwd_outputs: int) -> fx.GraphModule:
+    """Inference: keep the forward outputs only, drop tangent placeholders."""
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    out.args = (list(out.args[0][:num_fwd_outputs]),)
+    gm.graph.eliminate_dead_code()
+    for node in list(gm.graph.find_nodes(op="placeholder")):
+        if node.name.startswith("tangents") and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm

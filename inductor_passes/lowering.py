@@ -1,0 +1,141 @@
+"""Lowering: a joint graph in global semantics + its Plan -> a local joint graph for one rank.
+
+We re-run the global graph node by node on local fake tensors under ``make_fx``: each edge whose
+placement differs from what the consumer's OpSpec needs becomes a redistribute (local ops +
+``_c10d_functional`` collectives, reused when two consumers need the same placement), shape
+arguments are rewritten from global to local, and every produced local shape is checked against
+the global shape divided by the planned placement -- a mismatch is an error naming the op, never
+a silently wrong program.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from dynamo_dist import _compat
+from dynamo_dist.annotations import CONSTRAINT_OP
+from dynamo_dist.errors import DistCompileError, describe_mesh, user_source
+from dynamo_dist.ledger import CollectiveEntry, CollectiveLedger
+
+from .redistribute import AxisGroup, mesh_axes, redistribute
+from .sharding.placements import Placements, fmt, local_shape
+from .sharding.propagate import Plan, tangent_dependent
+from .sharding.rules import GETITEM, tensor_args
+
+aten = torch.ops.aten
+# ops whose argument at this index is the GLOBAL output size
+SIZE_ARG = {
+    aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1,
+    aten.expand.default: 1, aten.new_zeros.default: 1, aten.new_empty.default: 1,
+    aten.new_ones.default: 1, aten.new_full.default: 1,
+    aten.full.default: 0, aten.zeros.default: 0, aten.ones.default: 0, aten.empty.memory_format: 0,
+}
+
+
+def _is_placements(x) -> bool:
+    return isinstance(x, tuple) and (not x or hasattr(x[0], "is_shard"))
+
+
+def lower(gm: fx.GraphModule, plan: Plan, mesh,
+          num_fwd_outputs: int) -> tuple[fx.GraphModule, CollectiveLedger]:
+    """Return the local joint graph of this rank (placeholders ``primals_*``, ``tangents_*``;
+    outputs in the joint's order) and the ledger of the collectives it contains."""
+    axes = mesh_axes(mesh)
+    mesh_shape = plan.mesh_shape
+    ledger = CollectiveLedger()
+    bwd = tangent_dependent(gm.graph)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    primals = [n for n in placeholders if n.name.startswith("primals")]
+    tangents = [n for n in placeholders if n.name.startswith("tangents")]
+
+    fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
+
+    def local_fake(node: fx.Node) -> torch.Tensor:
+        val = node.meta["val"]
+        shape = local_shape(tuple(val.shape), plan.placement(node.name), mesh_shape)
+        with fake_mode:
+            return torch.empty(shape, dtype=val.dtype, device=val.device)
+
+    def local_joint(primals_in, tangents_in):
+        env: dict[fx.Node, Any] = dict(zip(primals, primals_in))
+        env.update(zip(tangents, tangents_in))
+        cache: dict[tuple[fx.Node, Placements], torch.Tensor] = {}
+
+        def moved(a: fx.Node, req: Placements, consumer: fx.Node, k: int,
+                  phase: str | None = None) -> torch.Tensor:
+            cur = plan.placement(a.name)
+            if cur == req:
+                return env[a]
+            if (a, req) not in cache:
+                def record(kind: str, ax: AxisGroup, t: torch.Tensor) -> None:
+                    ledger.add(CollectiveEntry(
+                        kind, ax.name, t.numel() * t.element_size(), consumer.name,
+                        f"input {k} of {consumer.target}: {a.name} {fmt(cur)} -> {fmt(req)}",
+                        phase or ("backward" if consumer in bwd else "forward"),
+                        user_source(a if consumer.op == "output" else consumer)))
+                cache[(a, req)] = redistribute(env[a], cur, req, axes, record)
+            return cache[(a, req)]
+
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            np = plan.nodes[node.name]
+            if node.target is GETITEM:
+                env[node] = env[node.args[0]][node.args[1]]
+                continue
+            targs = tensor_args(node)
+            local_in = {a: moved(a, req, node, k) for k, (a, req) in enumerate(zip(targs, np.inputs))}
+            if node.target is CONSTRAINT_OP:
+                env[node] = local_in[targs[0]]
+                continue
+            args, kwargs = pytree.tree_map_only(
+                fx.Node, lambda a: local_in[a] if a in local_in else env[a], (node.args, node.kwargs))
+            if node.target in SIZE_ARG and _is_placements(np.output):
+                idx = SIZE_ARG[node.target]
+                args = list(args)
+                args[idx] = list(local_shape(tuple(node.meta["val"].shape), np.output, mesh_shape))
+            out = node.target(*args, **kwargs)
+            _check_local(node, out, np.output, mesh_shape, mesh)
+            env[node] = out
+
+        output = next(iter(gm.graph.find_nodes(op="output")))
+        results = []
+        reqs = iter(plan.nodes[output.name].inputs)
+        for k, o in enumerate(output.args[0]):
+            if isinstance(o, fx.Node):
+                phase = "forward" if k < num_fwd_outputs else "backward"
+                results.append(moved(o, next(reqs), output, k, phase))
+            else:
+                results.append(o)
+        return results
+
+    with _compat.disable_local_tensor_mode():
+        primal_fakes = [local_fake(n) for n in primals]
+        tangent_fakes = [local_fake(n) for n in tangents]
+        # Inductor needs its own decompositions applied (redistribute adds zeros_like, ...)
+        local_gm = _compat.make_fx(local_joint, decomposition_table=_compat.select_decomp_table(),
+                                   tracing_mode="fake", record_stack_traces=True,
+                                   )(primal_fakes, tangent_fakes)
+    return local_gm, ledger
+
+
+def _check_local(node: fx.Node, out, placements, mesh_shape: Sequence[int], mesh) -> None:
+    val = node.meta["val"]
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    pls = placements if not _is_placements(placements) else [placements]
+    for v, o, p in zip(vals, outs, pls):
+        if not isinstance(v, torch.Tensor) or p is None:
+            continue
+        want = local_shape(tuple(v.shape), p, mesh_shape)
+        if tuple(o.shape) != want:
+            raise DistCompileError(
+                f"internal: local shape {tuple(o.shape)} of {node.name} does not match global "
+                f"{tuple(v.shape)} under {fmt(p)} (expected {want})",
+                op=node.target, source=user_source(node), mesh=describe_mesh(mesh),
+                fix="report this; as a workaround pin the value with with_sharding_constraint "
+                    "to Replicate()")

@@ -1,0 +1,130 @@
+"""Lower one placement change (redistribute) to local ops + ``_c10d_functional`` collectives.
+
+Runs while tracing the local graph (``make_fx``), on local tensors. Per mesh axis:
+
+    Shard(a)   -> Shard(b)    all_to_all_single
+    Shard(d)   -> Replicate   all_gather_into_tensor (along dim 0 of a movedim'd view)
+    Partial    -> Replicate   all_reduce (avg = sum then divide: gloo has no AVG)
+    Partial    -> Shard(d)    reduce_scatter_tensor (sum/avg); max/min reduce then slice
+    Replicate  -> Shard(d)    local slice at this rank's coordinate (no communication)
+    Replicate  -> Partial     this rank keeps the value at coordinate 0, zeros elsewhere
+    anything   -> Partial     via Replicate
+
+Axes are reduced/gathered from the last to the first, then re-sliced from the first to the last.
+Every collective is appended to the ``CollectiveLedger`` with its cause.
+
+Graphs are specialised per rank (the coordinate is a constant), as Dynamo's own handling of mesh
+queries already is.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from .sharding.placements import Placements
+
+c10d = torch.ops._c10d_functional
+
+
+class AxisGroup:
+    """What lowering needs to know about one mesh axis on this rank."""
+
+    def __init__(self, name: str, size: int, coordinate: int, group_name: str) -> None:
+        self.name, self.size, self.coordinate, self.group_name = name, size, coordinate, group_name
+
+
+def mesh_axes(mesh) -> list[AxisGroup]:
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise RuntimeError(f"this rank is not part of {mesh}")
+    names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))
+    return [AxisGroup(names[i], mesh.size(i), coord[i], mesh.get_group(i).group_name)
+            for i in range(mesh.ndim)]
+
+
+Record = Callable[[str, AxisGroup, torch.Tensor], None]
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return c10d.wait_tensor(t)
+
+
+def all_gather(x: torch.Tensor, dim: int, ax: AxisGroup, record: Record) -> torch.Tensor:
+    record("all_gather", ax, x)
+    moved = x.movedim(dim, 0).contiguous() if dim != 0 else x.contiguous()
+    out = _wait(c10d.all_gather_into_tensor(moved, ax.size, ax.group_name))
+    return out.movedim(0, dim) if dim != 0 else out
+
+
+def all_reduce(x: torch.Tensor, op: str, ax: AxisGroup, record: Record) -> torch.Tensor:
+    record("all_reduce", ax, x)
+    red = "sum" if op == "avg" else op
+    out = _wait(c10d.all_reduce(x.contiguous(), red, ax.group_name))
+    return out / ax.size if op == "avg" else out
+
+
+def reduce_scatter(x: torch.Tensor, op: str, dim: int, ax: AxisGroup, record: Record) -> torch.Tensor:
+    record("reduce_scatter", ax, x)
+    moved = x.movedim(dim, 0).contiguous() if dim != 0 else x.contiguous()
+    out = _wait(c10d.reduce_scatter_tensor(moved, "sum", ax.size, ax.group_name))
+    out = out.movedim(0, dim) if dim != 0 else out
+    return out / ax.size if op == "avg" else out
+
+
+def all_to_all(x: torch.Tensor, src: int, dst: int, ax: AxisGroup, record: Record) -> torch.Tensor:
+    """Shard(src) -> Shard(dst): send chunk j of dim ``dst`` to rank j, concat received on ``src``."""
+    record("all_to_all", ax, x)
+    send = torch.stack(torch.chunk(x, ax.size, dim=dst)).contiguous()
+    n = send.shape[0]
+    split = [1] * n
+    recv = _wait(c10d.all_to_all_single(send, split, split,
+                                        ax.group_name))
+    return torch.cat(torch.unbind(recv, 0), dim=src)
+
+
+def local_slice(x: torch.Tensor, dim: int, ax: AxisGroup) -> torch.Tensor:
+    step = x.shape[dim] // ax.size
+    return x.narrow(dim, ax.coordinate * step, step)
+
+
+def to_partial(x: torch.Tensor, op: str, ax: AxisGroup) -> torch.Tensor:
+    if op in ("sum",) and ax.coordinate != 0:
+        return torch.zeros_like(x)
+    return x
+
+
+def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[AxisGroup],
+                 record: Record) -> torch.Tensor:
+    """Move local tensor ``x`` from ``src`` to ``dst`` placements (both one entry per mesh axis)."""
+    if src == dst:
+        return x
+    cur = list(src)
+    for i in reversed(range(len(axes))):
+        s, d, ax = cur[i], dst[i], axes[i]
+        if s == d or type(s) is Replicate:
+            continue
+        if type(s) is Shard and type(d) is Shard:
+            x = all_to_all(x, s.dim, d.dim, ax, record)
+            cur[i] = d
+        elif type(s) is Shard:
+            x = all_gather(x, s.dim, ax, record)
+            cur[i] = Replicate()
+        elif isinstance(s, Partial) and type(d) is Shard and s.reduce_op in ("sum", "avg"):
+            x = reduce_scatter(x, s.reduce_op, d.dim, ax, record)
+            cur[i] = d
+        else:  # Partial -> Replicate, or Partial(max/min) -> Shard via Replicate
+            x = all_reduce(x, s.reduce_op, ax, record)
+            cur[i] = Replicate()
+    for i, ax in enumerate(axes):
+        s, d = cur[i], dst[i]
+        if s == d:
+            continue
+        if type(d) is Shard:
+            x = local_slice(x, d.dim, ax)
+        elif isinstance(d, Partial):
+            x = to_partial(x, d.reduce_op, ax)
+        cur[i] = d
+    return x

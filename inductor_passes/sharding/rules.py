@@ -1,0 +1,193 @@
+"""Op sharding rules: for one FX node, the OpStrategy (every acceptable OpSpec).
+
+An ``OpSpec`` says: if the tensor inputs hold these placements, the op computed on local shards
+gives outputs with these placements. Rules come from three sources, tried in order, and each
+OpSpec records which one produced it (``source``):
+
+1. native rules written here per op family, for ONE mesh axis and expanded to N-D meshes by
+   ``expand_to_mesh``: pointwise ops (from ``torch.Tag.pointwise``, with Partial kept only
+   through ops that are linear in that argument), matmuls as einsum strings, factory ops,
+   sharding constraints;
+2. DTensor's strategy registry, through ``dtensor_adapter`` (views, reductions, embedding, ...);
+3. none: the op runs replicated (every input all-gathered), which propagation logs with its cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from .placements import Placements, valid_for
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+Output = "Placements | tuple[Placements | None, ...]"
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """Input placements (one per tensor argument, in ``tensor_args`` order) -> output placements
+    (a tuple of Placements for a single tensor output, or a tuple of those for several)."""
+
+    inputs: tuple[Placements, ...]
+    output: object
+    source: str
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    """The FX nodes holding tensors among a node's args and kwargs, in pytree order."""
+    flat = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def val_shape(node: fx.Node) -> tuple[int, ...]:
+    return tuple(node.meta["val"].shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expansion: per-axis options -> N-D OpSpecs
+# ---------------------------------------------------------------------------------------------
+AxisOption = tuple[tuple[Placement, ...], Placement]  # (per tensor arg, output) on one axis
+
+
+def expand_to_mesh(options: Sequence[AxisOption], mesh_shape: Sequence[int], in_shapes, out_shape,
+                   source: str) -> list[OpSpec]:
+    """Cartesian product of one-axis options over the mesh axes, keeping only valid placements."""
+    specs = []
+    for combo in itertools.product(options, repeat=len(mesh_shape)):
+        ins = tuple(tuple(opt[0][i] for opt in combo) for i in range(len(in_shapes)))
+        out = tuple(opt[1] for opt in combo)
+        if not valid_for(out_shape, out, mesh_shape):
+            continue
+        if all(valid_for(s, p, mesh_shape) for s, p in zip(in_shapes, ins)):
+            specs.append(OpSpec(ins, out, source))
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# Pointwise
+# ---------------------------------------------------------------------------------------------
+_EXTRA_POINTWISE = {
+    prims.convert_element_type.default, prims.fma.default, aten.clone.default,
+    aten.alias.default, aten._to_copy.default, aten.where.self, aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor, aten.fill.Scalar,
+}
+# Ops linear in a set of arguments jointly: Partial(sum/avg) in exactly those (all others
+# Replicate) gives a Partial output. add(P, P) = P; mul(P, R) = P; add(P, 1.0) is NOT linear.
+_LINEAR_JOINT = {aten.add.Tensor, aten.sub.Tensor}
+_LINEAR_ANY_ONE = {aten.mul.Tensor}
+_LINEAR_FIRST = {aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.neg.default,
+                 aten.clone.default, aten.alias.default, prims.convert_element_type.default,
+                 aten._to_copy.default}
+
+
+def is_pointwise(op) -> bool:
+    return op in _EXTRA_POINTWISE or (
+        isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags)
+
+
+def _linear_sets(node: fx.Node, n_tensors: int) -> list[tuple[int, ...]]:
+    op = node.target
+    positional_tensors = sum(isinstance(a, fx.Node) for a in node.args[:2])
+    if op in _LINEAR_JOINT and n_tensors == 2 and positional_tensors == 2:
+        return [(0, 1)]
+    if op in _LINEAR_ANY_ONE and n_tensors == 2:
+        return [(0,), (1,)]
+    if op in _LINEAR_ANY_ONE and n_tensors == 1:
+        return [(0,)]
+    if op in _LINEAR_FIRST and isinstance(node.args[0], fx.Node):
+        return [(0,)]
+    return []
+
+
+def pointwise_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
+    targs = tensor_args(node)
+    in_shapes = [val_shape(a) for a in targs]
+    out_shape = val_shape(node)
+    nd = len(out_shape)
+    n = len(targs)
+    options: list[AxisOption] = [(tuple(Replicate() for _ in targs), Replicate())]
+    for d in range(nd):
+        ins = []
+        for s in in_shapes:
+            k = d - (nd - len(s))  # broadcasting aligns trailing dims
+            ins.append(Shard(k) if k >= 0 and s[k] == out_shape[d] else Replicate())
+        options.append((tuple(ins), Shard(d)))
+    for group in _linear_sets(node, n):
+        for red in ("sum", "avg"):
+            ins = tuple(Partial(red) if i in group else Replicate() for i in range(n))
+            options.append((ins, Partial(red)))
+    return expand_to_mesh(options, mesh_shape, in_shapes, out_shape, "pointwise")
+
+
+# ---------------------------------------------------------------------------------------------
+# Matmul family as einsum
+# ---------------------------------------------------------------------------------------------
+_EINSUM = {aten.mm.default: "mk,kn->mn", aten.bmm.default: "bmk,bkn->bmn"}
+
+
+def einsum_strategy(node: fx.Node, equation: str, mesh_shape: Sequence[int]) -> list[OpSpec]:
+    """Rule for a two-operand einsum: batch/free letters shard through, contraction -> Partial."""
+    lhs_rhs, out = equation.split("->")
+    lhs, rhs = lhs_rhs.split(",")
+    options: list[AxisOption] = [((Replicate(), Replicate()), Replicate())]
+    for letter in dict.fromkeys(lhs + rhs):
+        in_l, in_r, in_o = letter in lhs, letter in rhs, letter in out
+        a = Shard(lhs.index(letter)) if in_l else Replicate()
+        b = Shard(rhs.index(letter)) if in_r else Replicate()
+        if in_o:
+            options.append(((a, b), Shard(out.index(letter))))
+        elif in_l and in_r:
+            options.append(((a, b), Partial("sum")))
+    options.append(((Partial("sum"), Replicate()), Partial("sum")))
+    options.append(((Replicate(), Partial("sum")), Partial("sum")))
+    targs = tensor_args(node)
+    return expand_to_mesh(options, mesh_shape, [val_shape(a) for a in targs], val_shape(node),
+                          "einsum:" + equation)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------------
+def replicated_spec(node: fx.Node, ndim_mesh: int, source: str) -> OpSpec:
+    rep = tuple(Replicate() for _ in range(ndim_mesh))
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        out: object = tuple(rep if isinstance(v, torch.Tensor) else None for v in val)
+    else:
+        out = rep
+    return OpSpec(tuple(rep for _ in tensor_args(node)), out, source)
+
+
+def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: Sequence[int],
+                constraint_of: Callable[[fx.Node], Placements | None]) -> list[OpSpec]:
+    """All acceptable OpSpecs for ``node`` (empty list: no rule, caller falls back).
+
+    ``current`` holds the placements its tensor inputs have now (DTensor's rules need them to
+    enumerate). ``constraint_of`` returns the placements a sharding-constraint node pins.
+    """
+    op = node.target
+    ndim = len(mesh_shape)
+    pinned = constraint_of(node)
+    if pinned is not None:
+        return [OpSpec((pinned,), pinned, "constraint")]
+    if not tensor_args(node):
+        return [replicated_spec(node, ndim, "factory")]
+    if op in _EINSUM:
+        return einsum_strategy(node, _EINSUM[op], mesh_shape)
+    if is_pointwise(op):
+        return pointwise_strategy(node, mesh_shape)
+    from .dtensor_adapter import dtensor_strategy
+
+    return dtensor_strategy(node, current, mesh, mesh_shape)
+
+
+GETITEM = operator.getitem
