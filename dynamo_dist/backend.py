@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Sequence
 
@@ -65,6 +66,28 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
     opts = dict(options or {})
     with _compat.disable_local_tensor_mode():
         return _compile(gm, list(example_inputs), bool(opts.pop("inductor", True)))
+
+
+def _dump(index: int, mesh, program: JointProgram, plan: Plan, joint) -> None:
+    """With DYNAMO_DIST_DUMP=DIR, write the global graph, plan and local graphs of each rank."""
+    out = os.environ.get("DYNAMO_DIST_DUMP")
+    if not out:
+        return
+    os.makedirs(out, exist_ok=True)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    base = os.path.join(out, f"graph{index}_rank{rank}")
+    with open(base + "_global.py", "w") as f:
+        f.write(program.graph_module.print_readable(print_output=False))
+    with open(base + "_plan.txt", "w") as f:
+        f.write(plan.to_text())
+    with open(base + "_ledger.txt", "w") as f:
+        f.write("\n".join(f"{e.phase:<8} {e.kind:<14} {e.mesh_axis:<4} {e.bytes:>10} {e.node:<24} "
+                          f"{e.cause} @ {e.source}" for e in _RECORDS[index - 1].ledger.entries))
+    with open(base + "_local_fw.py", "w") as f:
+        f.write(joint.fw_graph.print_readable(print_output=False))
+    if joint.bw_graph is not None:
+        with open(base + "_local_bw.py", "w") as f:
+            f.write(joint.bw_graph.print_readable(print_output=False))
 
 
 def _constraints(gm: fx.GraphModule):
@@ -133,6 +156,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     step = DistStep(program.inputs, joint, mesh, primal_pl, placements, shapes,
                     program.diff_outputs if has_bwd else [])
     _RECORDS.append(CompileRecord(plan, ledger, seconds, program, step))
+    _dump(len(_RECORDS), mesh, program, plan, joint)
     log.info("dynamo_dist: compiled graph (%s); %d collectives", 
              ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items()), len(ledger.entries))
     return step

@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from . import _compat
 from .errors import DistCompileError
+from .ops import matmul_nd, wants_matmul_nd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +116,15 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+class _GlobalInterpreter(fx.Interpreter):
+    """Runs the Dynamo graph on plain global tensors, swapping in structure-keeping ops."""
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.matmul and not kwargs and wants_matmul_nd(*args):
+            return matmul_nd(*args)
+        return super().call_function(target, args, kwargs)
+
+
 def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgram:
     """Trace ``gm`` forward+backward on global-shape fake tensors.
 
@@ -133,7 +143,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
         for info, t in zip(tensor_infos, tensors):
             args[info.index] = t
         with torch.fx.traceback.preserve_node_meta():
-            return torch.fx.Interpreter(gm).run(*args)
+            return _GlobalInterpreter(gm).run(*args)
 
     # Forward once on fakes to learn which outputs are differentiable.
     with fake_mode, torch.enable_grad():

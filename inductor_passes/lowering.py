@@ -20,6 +20,7 @@ from dynamo_dist import _compat
 from dynamo_dist.annotations import CONSTRAINT_OP
 from dynamo_dist.errors import DistCompileError, describe_mesh, user_source
 from dynamo_dist.ledger import CollectiveEntry, CollectiveLedger
+from dynamo_dist.ops import MATMUL_ND
 
 from .redistribute import AxisGroup, mesh_axes, redistribute
 from .sharding.placements import Placements, fmt, local_shape
@@ -34,6 +35,11 @@ SIZE_ARG = {
     aten.new_ones.default: 1, aten.new_full.default: 1,
     aten.full.default: 0, aten.zeros.default: 0, aten.ones.default: 0, aten.empty.memory_format: 0,
 }
+
+
+# ops run differently on local shards: views may need a copy (a gathered or re-sliced shard can
+# have other strides than the global value had); our structure-keeping ops become plain torch.
+_LOCAL_IMPL = {aten.view.default: aten.reshape.default, MATMUL_ND: torch.matmul}
 
 
 def _is_placements(x) -> bool:
@@ -98,7 +104,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh,
                 idx = SIZE_ARG[node.target]
                 args = list(args)
                 args[idx] = list(local_shape(tuple(node.meta["val"].shape), np.output, mesh_shape))
-            out = node.target(*args, **kwargs)
+            target = _LOCAL_IMPL.get(node.target, node.target)
+            out = target(*args, **kwargs)
             _check_local(node, out, np.output, mesh_shape, mesh)
             env[node] = out
 

@@ -91,8 +91,11 @@ def local_slice(x: torch.Tensor, dim: int, ax: AxisGroup) -> torch.Tensor:
 
 
 def to_partial(x: torch.Tensor, op: str, ax: AxisGroup) -> torch.Tensor:
-    if op in ("sum",) and ax.coordinate != 0:
-        return torch.zeros_like(x)
+    """Replicate -> Partial(sum): keep the value at coordinate 0, zero elsewhere. Written as a
+    multiply by a per-rank constant so every rank's graph has the same structure (a structural
+    difference would let the partitioner split ranks differently and hang a collective)."""
+    if op == "sum":
+        return x * (1.0 if ax.coordinate == 0 else 0.0)
     return x
 
 

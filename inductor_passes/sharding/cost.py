@@ -42,7 +42,10 @@ def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements,
             cost += LATENCY_BYTES + local * (n - 1) / n
             cur[axis] = d
         elif isinstance(s, Partial) and type(d) is Shard and s.reduce_op in ("sum", "avg"):
-            cost += LATENCY_BYTES + local * (n - 1) / n
+            # A reduce_scatter moves half an all_reduce's bytes, but a greedy walk that takes it
+            # for that reason pays the other half (an all_gather) at the next replicated
+            # consumer, plus a latency. Priced as reduce_scatter + that all_gather.
+            cost += 2 * LATENCY_BYTES + 2 * local * (n - 1) / n
             cur[axis] = d
         elif isinstance(s, Partial):
             cost += LATENCY_BYTES + 2 * local * (n - 1) / n

@@ -50,6 +50,7 @@ class Plan:
     axis_names: tuple[str, ...]
     nodes: dict[str, NodePlan]
     fallbacks: list[str]
+    total_cost: float = 0.0   # sum of redistribute costs paid (bytes-equivalent)
 
     def placement(self, name: str):
         return self.nodes[name].output
@@ -86,102 +87,197 @@ def propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements],
               num_fwd_outputs: int, diff_outputs: Sequence[int],
               grad_placements: Sequence[Placements | None],
               constraint_of: Callable[[fx.Node], Placements | None],
-              origins: Sequence[str] = ()) -> Plan:
+              origins: Sequence[str] = (), rounds: int = 3) -> Plan:
     """Give every node of ``gm`` (a joint graph in global semantics) an OpSpec.
 
     ``primal_placements[i]``: the fixed placement of placeholder ``primals_{i+1}``;
     ``grad_placements[i]``: where the gradient of primal i must land (None: no gradient).
     Forward outputs end non-Partial (a Partial output is reduced to Replicate).
+
+    A single greedy walk cannot see that a redistribute it avoids at one consumer will be paid at
+    a later one. So the walk is repeated ``rounds`` times, each round treating the redistributes
+    the best plan so far paid for as already available; the plan with the lowest total
+    redistribute cost wins (a small local search, in the spirit of GSPMD's repeated sweeps).
     """
-    mesh_shape = tuple(mesh.shape)
-    ndim = len(mesh_shape)
-    env: dict[fx.Node, object] = {}
-    nodes: dict[str, NodePlan] = {}
-    fallbacks: list[str] = []
-    bwd = tangent_dependent(gm.graph)
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    primals = [n for n in placeholders if n.name.startswith("primals")]
-    tangents = [n for n in placeholders if n.name.startswith("tangents")]
-    output_node = next(iter(gm.graph.find_nodes(op="output")))
-    outs = list(output_node.args[0])
+    walker = _Walk(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
+                   constraint_of, origins)
+    best = walker.run({})
+    for _ in range(rounds - 1):
+        trial = walker.run(best.paid)
+        if trial.total >= best.total:
+            break
+        best = trial
+    ndim = len(mesh.shape)
+    return Plan(tuple(mesh.shape),
+                tuple(mesh.mesh_dim_names or [f"axis{i}" for i in range(ndim)]),
+                best.nodes, best.fallbacks, best.total)
 
-    for k, (node, pl) in enumerate(zip(primals, primal_placements)):
-        env[node] = pl
-        origin = origins[k] if k < len(origins) else "input"
-        nodes[node.name] = NodePlan(node.name, "input", (), pl, "input", 0.0, 1, origin)
 
-    def visit(node: fx.Node) -> None:
-        if node.op != "call_function":
-            return
-        targs = tensor_args(node)
-        current = [env[a] for a in targs]
-        if node.target is GETITEM:
-            src = env[node.args[0]]
-            out = src[node.args[1]] if isinstance(src, tuple) and not _is_placements(src) else src
-            env[node] = out
-            nodes[node.name] = NodePlan(node.name, "getitem", (), out, "getitem", 0.0, 1)
-            return
-        specs = op_strategy(node, current, mesh, mesh_shape, constraint_of)
-        origin = "propagated"
-        if not specs:
-            specs = [replicated_spec(node, ndim, "fallback")]
-            origin = "fallback: no rule"
-        best, best_key = None, None
-        for spec in specs:
-            cost = sum(_edge_cost(a, c, r, mesh_shape) for a, c, r in zip(targs, current, spec.inputs))
-            changed = sum(c != r for c, r in zip(current, spec.inputs))
-            key = (cost, changed, -_sharding_degree(spec.output, mesh_shape))
-            if best_key is None or key < best_key:
-                best, best_key = spec, key
-        assert best is not None
-        if best.source == "fallback":
-            gathered = sum(nbytes(a.meta["val"].shape, a.meta["val"].dtype) for a in targs)
-            msg = (f"no sharding rule for {node.target} ({node.name}); it runs replicated: "
-                   f"inputs {' '.join(fmt(c) for c in current)} are gathered "
-                   f"({gathered} bytes global), cost {best_key[0]:.0f}")
-            log.warning("dynamo_dist: %s", msg)
-            fallbacks.append(msg)
-        env[node] = best.output
-        nodes[node.name] = NodePlan(node.name, str(node.target), best.inputs, best.output,
-                                    best.source, best_key[0], len(specs), origin)
+@dataclasses.dataclass
+class _WalkResult:
+    nodes: dict[str, NodePlan]
+    fallbacks: list[str]
+    paid: dict[fx.Node, set]   # value -> placements a consumer redistributed it to
+    total: float                # total redistribute cost of the plan
 
-    fwd_nodes = [n for n in gm.graph.nodes if n not in bwd]
-    for node in fwd_nodes:
-        visit(node)
 
-    final: list[Placements | None] = []
-    for i, o in enumerate(outs[:num_fwd_outputs]):
-        if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
-            final.append(tuple(Replicate() if isinstance(p, Partial) else p for p in env[o]))
-        else:
-            final.append(None)
-    for node, j in zip(tangents, diff_outputs):
-        env[node] = final[j]
-        nodes[node.name] = NodePlan(node.name, "tangent", (), final[j], "cotangent", 0.0, 1,
-                                    f"follows forward output {j}")
-    for node in gm.graph.nodes:
-        if node in bwd:
-            visit(node)
+class _Walk:
+    def __init__(self, gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
+                 grad_placements, constraint_of, origins) -> None:
+        self.gm, self.mesh = gm, mesh
+        self.mesh_shape = tuple(mesh.shape)
+        self.primal_placements = primal_placements
+        self.num_fwd_outputs = num_fwd_outputs
+        self.diff_outputs = diff_outputs
+        self.grad_placements = grad_placements
+        self.constraint_of = constraint_of
+        self.origins = origins
+        self.bwd = tangent_dependent(gm.graph)
+        self.strategies: dict[tuple, list[OpSpec]] = {}
 
-    out_inputs: list[Placements] = []
-    total = 0.0
-    for i, o in enumerate(outs):
-        if not isinstance(o, fx.Node):
-            continue
-        want = final[i] if i < num_fwd_outputs else grad_placements[i - num_fwd_outputs]
-        want = want if want is not None else replicate(ndim)
-        out_inputs.append(want)
-        total += _edge_cost(o, env[o], want, mesh_shape)
-    nodes[output_node.name] = NodePlan(output_node.name, "output", tuple(out_inputs), None,
-                                       "output", total, 1, "forward outputs non-Partial; "
-                                       "gradients in their parameter's placement")
-    return Plan(mesh_shape, tuple(mesh.mesh_dim_names or [f"axis{i}" for i in range(ndim)]),
-                nodes, fallbacks)
+    def _specs(self, node, current) -> list[OpSpec]:
+        key = (node, tuple(current))
+        if key not in self.strategies:
+            self.strategies[key] = op_strategy(node, current, self.mesh, self.mesh_shape,
+                                               self.constraint_of)
+        return self.strategies[key]
+
+    def run(self, hints: dict[fx.Node, set]) -> _WalkResult:
+        gm, mesh_shape = self.gm, self.mesh_shape
+        ndim = len(mesh_shape)
+        env: dict[fx.Node, object] = {}
+        # placements each value already has somewhere in the program (its own, every
+        # redistribute an earlier consumer paid for, and the hints): later consumers get them free
+        available: dict[fx.Node, set] = {}
+        paid: dict[fx.Node, set] = {}
+        nodes: dict[str, NodePlan] = {}
+        fallbacks: list[str] = []
+        total = 0.0
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        primals = [n for n in placeholders if n.name.startswith("primals")]
+        tangents = [n for n in placeholders if n.name.startswith("tangents")]
+        output_node = next(iter(gm.graph.find_nodes(op="output")))
+        outs = list(output_node.args[0])
+
+        def pay(a: fx.Node, req) -> float:
+            if req == env[a] or req in paid.get(a, ()):
+                return 0.0
+            paid.setdefault(a, set()).add(req)
+            return _edge_cost(a, env[a], req, mesh_shape)
+
+        for k, (node, pl) in enumerate(zip(primals, self.primal_placements)):
+            env[node] = pl
+            origin = self.origins[k] if k < len(self.origins) else "input"
+            nodes[node.name] = NodePlan(node.name, "input", (), pl, "input", 0.0, 1, origin)
+
+        def visit(node: fx.Node) -> None:
+            nonlocal total
+            if node.op != "call_function":
+                return
+            targs = tensor_args(node)
+            current = [env[a] for a in targs]
+            if node.target is GETITEM:
+                src = env[node.args[0]]
+                out = src[node.args[1]] if isinstance(src, tuple) and not _is_placements(src) else src
+                env[node] = out
+                nodes[node.name] = NodePlan(node.name, "getitem", (), out, "getitem", 0.0, 1)
+                return
+            specs = self._specs(node, current)
+            origin = "propagated"
+            if not specs:
+                specs = [replicated_spec(node, ndim, "fallback")]
+                origin = "fallback: no rule"
+            best, best_key = specs[0], None
+            for spec in specs:
+                have = [r in available.get(a, ()) or r in hints.get(a, ())
+                        for a, r in zip(targs, spec.inputs)]
+                cost = sum(0.0 if h else _edge_cost(a, c, r, mesh_shape)
+                           for a, c, r, h in zip(targs, current, spec.inputs, have))
+                # A Partial value is a debt: someone pays its reduction later. Charge the debt
+                # an OpSpec creates and credit the debt it takes over from a Partial input
+                # (only a sole consumer takes a debt over; with other consumers it stays
+                # unpaid), so "keep Partial, gather the other operand" is weighed against
+                # "reduce now".
+                cost += _debt(node, spec.output, mesh_shape) - sum(
+                    _debt(a, r, mesh_shape) for a, c, r in zip(targs, current, spec.inputs)
+                    if r == c and _has_partial(r) and len(a.users) == 1)
+                # ties: fewer new redistributes, then no pending reduction, then more sharded
+                key = (cost, have.count(False), _has_partial(spec.output),
+                       -_sharding_degree(spec.output, mesh_shape))
+                if best_key is None or key < best_key:
+                    best, best_key = spec, key
+            edge = sum(pay(a, r) for a, r in zip(targs, best.inputs))
+            total += edge
+            for a, r in zip(targs, best.inputs):
+                available.setdefault(a, {env[a]}).add(r)
+            if best.source == "fallback":
+                gathered = sum(nbytes(a.meta["val"].shape, a.meta["val"].dtype) for a in targs)
+                msg = (f"no sharding rule for {node.target} ({node.name}); it runs replicated: "
+                       f"inputs {' '.join(fmt(c) for c in current)} are gathered "
+                       f"({gathered} bytes global), cost {edge:.0f}")
+                log.warning("dynamo_dist: %s", msg)
+                fallbacks.append(msg)
+            env[node] = best.output
+            available[node] = {best.output}
+            nodes[node.name] = NodePlan(node.name, str(node.target), best.inputs, best.output,
+                                        best.source, edge, len(specs), origin)
+
+        for node in gm.graph.nodes:
+            if node not in self.bwd:
+                visit(node)
+
+        final: list[Placements | None] = []
+        for o in outs[:self.num_fwd_outputs]:
+            if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
+                final.append(tuple(Replicate() if isinstance(p, Partial) else p for p in env[o]))
+            else:
+                final.append(None)
+        for node, j in zip(tangents, self.diff_outputs):
+            env[node] = final[j]
+            nodes[node.name] = NodePlan(node.name, "tangent", (), final[j], "cotangent", 0.0, 1,
+                                        f"follows forward output {j}")
+        for node in gm.graph.nodes:
+            if node in self.bwd:
+                visit(node)
+
+        out_inputs: list[Placements] = []
+        out_cost = 0.0
+        for i, o in enumerate(outs):
+            if not isinstance(o, fx.Node):
+                continue
+            want = final[i] if i < self.num_fwd_outputs else \
+                self.grad_placements[i - self.num_fwd_outputs]
+            want = want if want is not None else replicate(ndim)
+            out_inputs.append(want)
+            out_cost += pay(o, want)
+        total += out_cost
+        nodes[output_node.name] = NodePlan(
+            output_node.name, "output", tuple(out_inputs), None, "output", out_cost, 1,
+            "forward outputs non-Partial; gradients in their parameter's placement")
+        return _WalkResult(nodes, fallbacks, paid, total)
 
 
 def _edge_cost(node: fx.Node, cur, req, mesh_shape) -> float:
     val = node.meta["val"]
     return redistribute_cost(tuple(val.shape), val.dtype, cur, req, mesh_shape)
+
+
+def _debt(node: fx.Node, output, mesh_shape) -> float:
+    """Cost of reducing every Partial axis of ``output`` to Replicate."""
+    vals = node.meta["val"]
+    pairs = [(vals, output)] if _is_placements(output) else list(zip(vals, output))
+    total = 0.0
+    for v, pls in pairs:
+        if pls is None or not isinstance(v, torch.Tensor) or not _has_partial(pls):
+            continue
+        dst = tuple(Replicate() if isinstance(p, Partial) else p for p in pls)
+        total += redistribute_cost(tuple(v.shape), v.dtype, pls, dst, mesh_shape)
+    return total
+
+
+def _has_partial(output) -> bool:
+    outs = [output] if _is_placements(output) else [o for o in output if o]
+    return any(isinstance(p, Partial) for pls in outs for p in pls)
 
 
 def _sharding_degree(output, mesh_shape) -> int:

@@ -24,6 +24,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from dynamo_dist.ops import MATMUL_ND
+
 from .placements import Placements, valid_for
 
 aten = torch.ops.aten
@@ -83,6 +85,8 @@ _EXTRA_POINTWISE = {
 # Ops linear in a set of arguments jointly: Partial(sum/avg) in exactly those (all others
 # Replicate) gives a Partial output. add(P, P) = P; mul(P, R) = P; add(P, 1.0) is NOT linear.
 _LINEAR_JOINT = {aten.add.Tensor, aten.sub.Tensor}
+# a*b + c: linear jointly in (b, c) with a Replicate, or in (a, c) with b Replicate
+_LINEAR_SETS = {prims.fma.default: [(1, 2), (0, 2)]}
 _LINEAR_ANY_ONE = {aten.mul.Tensor}
 _LINEAR_FIRST = {aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.neg.default,
                  aten.clone.default, aten.alias.default, prims.convert_element_type.default,
@@ -99,6 +103,8 @@ def _linear_sets(node: fx.Node, n_tensors: int) -> list[tuple[int, ...]]:
     positional_tensors = sum(isinstance(a, fx.Node) for a in node.args[:2])
     if op in _LINEAR_JOINT and n_tensors == 2 and positional_tensors == 2:
         return [(0, 1)]
+    if op in _LINEAR_SETS and n_tensors == 3 and all(isinstance(a, fx.Node) for a in node.args[:3]):
+        return _LINEAR_SETS[op]
     if op in _LINEAR_ANY_ONE and n_tensors == 2:
         return [(0,), (1,)]
     if op in _LINEAR_ANY_ONE and n_tensors == 1:
@@ -155,6 +161,52 @@ def einsum_strategy(node: fx.Node, equation: str, mesh_shape: Sequence[int]) -> 
 
 
 # ---------------------------------------------------------------------------------------------
+# Embedding backward: accumulate rows of ``values`` into ``self`` at ``indices``
+# ---------------------------------------------------------------------------------------------
+def index_put_accumulate_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
+    """``_unsafe_masked_index_put_accumulate(self, mask, [idx], values)``, self: [V, *F],
+    idx and mask: [*I], values: [*I, *F].
+
+    Per mesh axis: all Replicate; values split on an index dim (with idx and mask split the same
+    way) accumulates partial sums (self and output Partial); values split on a feature dim splits
+    self and the output on that dim.
+    """
+    self_n, mask_n, idx_list, values_n = node.args
+    if len(idx_list) != 1 or not isinstance(idx_list[0], fx.Node):
+        return []
+    targs = tensor_args(node)
+    shapes = [val_shape(a) for a in targs]
+    n_index = len(shapes[1])
+    n_feat = len(shapes[0]) - 1
+    options: list[AxisOption] = [(tuple(Replicate() for _ in targs), Replicate())]
+    for d in range(n_index):
+        options.append(((Partial("sum"), Shard(d), Shard(d), Shard(d)), Partial("sum")))
+    for f in range(n_feat):
+        options.append(((Shard(1 + f), Replicate(), Replicate(), Shard(n_index + f)), Shard(1 + f)))
+    options.append(((Partial("sum"), Replicate(), Replicate(), Partial("sum")), Partial("sum")))
+    return expand_to_mesh(options, mesh_shape, shapes, val_shape(node), "index_put_accumulate")
+
+
+# ---------------------------------------------------------------------------------------------
+# slice_scatter(input, src, dim, start, end, step): src written into a slice of input
+# ---------------------------------------------------------------------------------------------
+def slice_scatter_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
+    """Both operands split on any dim but the scattered one; Partial in both (linear)."""
+    if not all(isinstance(a, fx.Node) for a in node.args[:2]):
+        return []
+    shape = val_shape(node)
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    dim = dim % len(shape)
+    src_shape = val_shape(node.args[1])
+    options: list[AxisOption] = [((Replicate(), Replicate()), Replicate())]
+    for d in range(len(shape)):
+        if d != dim:
+            options.append(((Shard(d), Shard(d)), Shard(d)))
+    options.append(((Partial("sum"), Partial("sum")), Partial("sum")))
+    return expand_to_mesh(options, mesh_shape, [shape, src_shape], shape, "slice_scatter")
+
+
+# ---------------------------------------------------------------------------------------------
 # Dispatch
 # ---------------------------------------------------------------------------------------------
 def replicated_spec(node: fx.Node, ndim_mesh: int, source: str) -> OpSpec:
@@ -183,6 +235,13 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
         return [replicated_spec(node, ndim, "factory")]
     if op in _EINSUM:
         return einsum_strategy(node, _EINSUM[op], mesh_shape)
+    if op is MATMUL_ND:
+        batch = "abcdefgh"[: val_shape(node).__len__() - 2]
+        return einsum_strategy(node, f"{batch}mk,{batch}kn->{batch}mn", mesh_shape)
+    if op is aten._unsafe_masked_index_put_accumulate.default:
+        return index_put_accumulate_strategy(node, mesh_shape)
+    if op is aten.slice_scatter.default:
+        return slice_scatter_strategy(node, mesh_shape)
     if is_pointwise(op):
         return pointwise_strategy(node, mesh_shape)
     from .dtensor_adapter import dtensor_strategy
