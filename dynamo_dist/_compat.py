@@ -74,6 +74,12 @@ def dtensor_op_strategy(op_schema: OpSchema, out_tensor_meta: Any) -> Any:
     return func(strategy_schema)
 
 
+# -- Dynamo (2.13) ---------------------------------------------------------------------------
+def assume_constant_result(fn: Callable) -> Callable:
+    """Dynamo calls ``fn`` while tracing and bakes its result in as a constant (guarded)."""
+    return torch._dynamo.assume_constant_result(fn)
+
+
 # -- Local tensor simulation (2.13) ----------------------------------------------------------
 def disable_local_tensor_mode() -> contextlib.AbstractContextManager:
     """A backend must not run its own tracing under LocalTensorMode (it would recurse)."""
@@ -99,3 +105,47 @@ def allow_implicit_replication(enabled: bool = True) -> None:
 def force_non_lazy_backward() -> contextlib.AbstractContextManager:
     return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
 
+
+
+def install_dynamo_tracing_fallback() -> None:
+    """Make DTensor's sharding propagation replicate everything while Dynamo traces.
+
+    Dynamo builds example values of a program with DTensor inputs by running DTensor's own
+    dispatch on fake tensors. DTensor's per-op choices there are slow (its SDPA decomposition
+    path takes minutes) and fail on cases our compiler handles (a view over a 2-D mesh gives a
+    ``_StridedShard`` that ``bmm`` rejects; local strides that a global view does not allow).
+    The ``dist`` backend ignores those placements -- it re-plans the whole program in global
+    semantics -- and global shapes and dtypes do not depend on placements, so while tracing we
+    propagate with every input replicated. Outside tracing DTensor is unchanged. Idempotent.
+    """
+    from torch.distributed.tensor.placement_types import Replicate
+
+    prop = sharding_propagator()
+    if getattr(prop, "_dynamo_dist_fallback", False):
+        return
+    original = prop.propagate_op_sharding_non_cached
+
+    def replicated(spec):
+        if isinstance(spec, DTensorSpec):
+            return DTensorSpec(spec.mesh, tuple(Replicate() for _ in spec.placements),
+                               tensor_meta=spec.tensor_meta)
+        if isinstance(spec, (list, tuple)):
+            return type(spec)(replicated(s) for s in spec)
+        return spec
+
+    def propagate(op_schema):
+        from torch.distributed._functional_collectives import _are_we_tracing
+
+        if not _are_we_tracing():
+            return original(op_schema)
+        rep = OpSchema(op_schema.op, tuple(replicated(a) for a in op_schema.args_schema),
+                       {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},
+                       schema_info=op_schema.schema_info)
+        result = original(rep)
+        if rep.args_spec != op_schema.args_spec or result.redistribute_schema is not None:
+            result.redistribute_schema = result.redistribute_schema or rep
+            result.needs_redistribute = True
+        return result
+
+    prop.propagate_op_sharding_non_cached = propagate
+    prop._dynamo_dist_fallback = True

@@ -16,11 +16,13 @@ import torch
 from torch.distributed.tensor import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
+from . import _compat
 from inductor_passes.sharding.placements import Placements, fmt, normalize, parse
 
 _MESHES: "weakref.WeakValueDictionary[str, DeviceMesh]" = weakref.WeakValueDictionary()
 
 
+@_compat.assume_constant_result
 def mesh_key(mesh: DeviceMesh) -> str:
     """A stable name for a mesh: axis names, shape and the ranks it spans."""
     names = ",".join(mesh.mesh_dim_names or ())

@@ -232,6 +232,7 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
     from .annotations import with_sharding_constraint
 
     _compat.allow_implicit_replication(True)
+    _compat.install_dynamo_tracing_fallback()
     for fqn, param in list(model.named_parameters()):
         spec = plan.placement_for(fqn)
         placements = to_placements(spec, mesh, param.ndim, f"parameter '{fqn}'") if spec is not None \

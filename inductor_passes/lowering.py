@@ -127,6 +127,9 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh,
         local_gm = _compat.make_fx(local_joint, decomposition_table=_compat.select_decomp_table(),
                                    tracing_mode="fake", record_stack_traces=True,
                                    )(primal_fakes, tangent_fakes)
+    # flat calling convention (one placeholder per tensor), as the partitioner and Inductor expect
+    local_gm.graph._codegen = fx.graph.CodeGen()
+    local_gm.recompile()
     return local_gm, ledger
 
 
