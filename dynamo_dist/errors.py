@@ -33,6 +33,8 @@ class DistCompileError(RuntimeError):
 
 
 def describe_mesh(mesh: Any) -> str:
+    if isinstance(mesh, str):
+        return mesh
     names = getattr(mesh, "mesh_dim_names", None)
     shape = tuple(getattr(mesh, "shape", ()))
     if names:

@@ -80,10 +80,12 @@ def validate_placements(what: str, shape: Sequence[int], mesh: DeviceMesh,
     if len(placements) != mesh.ndim:
         fail(f"{len(placements)} placements for a {mesh.ndim}-axis mesh",
              "give one placement per mesh axis")
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
             if not -len(shape) <= p.dim < len(shape):
-                fail(f"Shard({p.dim}) on mesh axis {axis} but the tensor has {len(shape)} dims",
+                fail(f"Shard({p.dim}) on mesh axis '{names[axis]}' but the tensor has "
+                     f"{len(shape)} dims",
                      f"use Shard(d) with 0 <= d < {len(shape)}, or Replicate()")
         elif not isinstance(p, (Replicate, Partial)):
             fail(f"unsupported placement {p!r}", "use Shard(d), Replicate() or Partial()")

@@ -57,3 +57,30 @@ def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements,
         if cur[axis] != dst[axis]:
             cost += RESLICE_COST
     return cost
+
+
+# Compute, priced in the same unit: one byte on the wire ~ 100 flops (a CPU/gloo or GPU/NVLink
+# machine balance is 50-400 flop per byte). Without this term the cheapest plan by bytes alone
+# often gathers a weight and repeats the full matmul on every rank, undoing tensor parallelism.
+BYTES_PER_FLOP = 1.0 / 100
+
+MATMUL_OPS = ("aten.mm.default", "aten.bmm.default", "dynamo_dist.matmul_nd.default",
+               "aten.addmm.default", "aten.baddbmm.default")
+
+
+def compute_cost(op: str, out_shape: Sequence[int], contracted: int, output: Placements,
+                 mesh_shape: Sequence[int]) -> float:
+    """Matmul flops one rank performs under ``output`` placements (bytes-equivalent).
+
+    A Shard or Partial output on a mesh axis means the work is split over that axis.
+    """
+    if op not in MATMUL_OPS:
+        return 0.0
+    flops = 2.0 * contracted
+    for s in out_shape:
+        flops *= s
+    degree = 1
+    for axis, p in enumerate(output):
+        if type(p) is Shard or isinstance(p, Partial):
+            degree *= mesh_shape[axis]
+    return flops / degree * BYTES_PER_FLOP

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from .cost import redistribute_cost
+from .cost import MATMUL_OPS, compute_cost, redistribute_cost
 from .placements import Placements, fmt, nbytes, replicate
 from .rules import GETITEM, OpSpec, op_strategy, replicated_spec, tensor_args
 
@@ -133,6 +133,7 @@ class _Walk:
         self.constraint_of = constraint_of
         self.origins = origins
         self.bwd = tangent_dependent(gm.graph)
+        self.params = parameter_views(gm, primal_placements, origins)
         self.strategies: dict[tuple, list[OpSpec]] = {}
 
     def _specs(self, node, current) -> list[OpSpec]:
@@ -188,22 +189,27 @@ class _Walk:
                 specs = [replicated_spec(node, ndim, "fallback")]
                 origin = "fallback: no rule"
             best, best_key = specs[0], None
+            is_matmul = str(node.target) in MATMUL_OPS
             for spec in specs:
                 have = [r in available.get(a, ()) or r in hints.get(a, ())
                         for a, r in zip(targs, spec.inputs)]
-                cost = sum(0.0 if h else _edge_cost(a, c, r, mesh_shape)
+                cost = sum(0.0 if h else _edge_cost(a, c, r, mesh_shape, a in self.params)
                            for a, c, r, h in zip(targs, current, spec.inputs, have))
                 # A Partial value is a debt: someone pays its reduction later. Charge the debt
                 # an OpSpec creates and credit the debt it takes over from a Partial input
                 # (only a sole consumer takes a debt over; with other consumers it stays
                 # unpaid), so "keep Partial, gather the other operand" is weighed against
                 # "reduce now".
-                cost += _debt(node, spec.output, mesh_shape) - sum(
+                cost += (node in self.bwd) * _debt(node, spec.output, mesh_shape) - sum(
                     _debt(a, r, mesh_shape) for a, c, r in zip(targs, current, spec.inputs)
                     if r == c and _has_partial(r) and len(a.users) == 1)
-                # ties: fewer new redistributes, then no pending reduction, then more sharded
-                key = (cost, have.count(False), _has_partial(spec.output),
-                       -_sharding_degree(spec.output, mesh_shape))
+                if is_matmul and _is_placements(spec.output):
+                    cost += compute_cost(str(node.target), tuple(node.meta["val"].shape),
+                                         targs[0].meta["val"].shape[-1], spec.output, mesh_shape)
+                # ties: fewer new redistributes, then no pending reduction. (Preferring the more
+                # sharded output here slices replicated activations for free and pays gathers
+                # later; DTensor's eager choice, keep the inputs' placements, is the better bet.)
+                key = (cost, have.count(False), _has_partial(spec.output))
                 if best_key is None or key < best_key:
                     best, best_key = spec, key
             edge = sum(pay(a, r) for a, r in zip(targs, best.inputs))
@@ -257,9 +263,35 @@ class _Walk:
         return _WalkResult(nodes, fallbacks, paid, total)
 
 
-def _edge_cost(node: fx.Node, cur, req, mesh_shape) -> float:
+# A gathered parameter stays resident on every rank (its memory is what sharding it was for):
+# its gather is priced at this multiple of its bytes. Without a memory term the cheapest plan
+# by bytes replicates parameters (AutoParallel reports the same).
+PARAM_GATHER_FACTOR = 3.0
+
+
+def _edge_cost(node: fx.Node, cur, req, mesh_shape, is_param: bool = False) -> float:
     val = node.meta["val"]
-    return redistribute_cost(tuple(val.shape), val.dtype, cur, req, mesh_shape)
+    cost = redistribute_cost(tuple(val.shape), val.dtype, cur, req, mesh_shape)
+    if is_param and any(c.is_shard() and not r.is_shard() for c, r in zip(cur, req)):
+        cost *= PARAM_GATHER_FACTOR
+    return cost
+
+
+_VIEW_LIKE = {"aten.permute.default", "aten.view.default", "aten.t.default", "aten.alias.default",
+              "aten.clone.default", "aten.expand.default", "aten.unsqueeze.default",
+              "aten._unsafe_view.default", "aten.reshape.default",
+              "prims.convert_element_type.default"}
+
+
+def parameter_views(gm: fx.GraphModule, primal_placements, origins) -> set[fx.Node]:
+    """Parameter inputs (DTensor primals that get a gradient) and views/casts of them."""
+    primals = [n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
+    found = {n for n, o in zip(primals, origins) if o.startswith("DTensor input")}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and str(node.target) in _VIEW_LIKE and \
+                node.args and node.args[0] in found:
+            found.add(node)
+    return found
 
 
 def _debt(node: fx.Node, output, mesh_shape) -> float:
@@ -280,10 +312,3 @@ def _has_partial(output) -> bool:
     return any(isinstance(p, Partial) for pls in outs for p in pls)
 
 
-def _sharding_degree(output, mesh_shape) -> int:
-    pls = output if _is_placements(output) else next((o for o in output if o), ())
-    deg = 1
-    for axis, p in enumerate(pls or ()):
-        if p.is_shard():
-            deg *= mesh_shape[axis]
-    return deg

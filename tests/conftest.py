@@ -1,0 +1,55 @@
+"""Shared fixtures: a `fake` process group mesh (shapes and collective graphs are right, values
+are not: used for plans, ledgers and lowering) and a launcher for real gloo runs."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_fake_mesh(shape, names, rank: int = 0):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(shape))
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+
+
+@pytest.fixture
+def fake_mesh():
+    yield make_fake_mesh
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_records():
+    from dynamo_dist import clear_compile_records
+
+    clear_compile_records()
+    yield
+    clear_compile_records()
+
+
+def torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run tests/mp/<script> on ``nproc`` gloo ranks; fail with its output if it fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={29500 + os.getpid() % 1000}",
+           os.path.join(ROOT, "tests", "mp", script), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        pytest.fail(f"{script} failed (exit {proc.returncode}):\n{proc.stdout[-6000:]}\n"
+                    f"{proc.stderr[-6000:]}")
+    return proc

@@ -1,0 +1,22 @@
+"""The private torch APIs we route through dynamo_dist._compat exist and behave as we rely on."""
+
+import torch
+
+from dynamo_dist import _compat
+
+
+def test_checked_versions_cover_installed_torch():
+    major_minor = ".".join(torch.__version__.split(".")[:2])
+    assert major_minor in _compat.TORCH_CHECKED
+
+
+def test_dtensor_strategy_registry_enumerates(fake_mesh):
+    from torch.distributed.tensor.placement_types import Shard
+
+    mesh = fake_mesh((2,), ("tp",))
+    meta = _compat.TensorMeta(torch.Size([4, 6]), (6, 1), torch.float32)
+    spec = _compat.DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+    schema = _compat.OpSchema(torch.ops.aten.permute.default, (spec, [1, 0]), {})
+    out = _compat.TensorMeta(torch.Size([6, 4]), (1, 6), torch.float32)
+    strategy = _compat.dtensor_op_strategy(schema, out)
+    assert isinstance(strategy, _compat.OpStrategy) and len(strategy.strategies) >= 1

@@ -1,0 +1,15 @@
+"""Real multi-process runs (gloo, 2 ranks): loss, gradient and parameter parity with one process."""
+
+import re
+
+import pytest
+
+from conftest import torchrun
+
+
+@pytest.mark.parametrize("model,inductor", [("mlp", "1"), ("llama", "0")])
+def test_two_rank_tp_parity(model, inductor):
+    out = torchrun("train_parity.py", 2, "--model", model, "--mesh", "tp=2",
+                   "--inductor", inductor).stdout
+    m = re.search(r"max relative loss difference ([0-9.e+-]+)", out)
+    assert m and float(m.group(1)) <= 1e-4, out

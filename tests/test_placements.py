@@ -1,0 +1,37 @@
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from inductor_passes.sharding.cost import redistribute_cost
+from inductor_passes.sharding.placements import fmt, local_shape, parse, valid_for
+
+placement = st.one_of(st.just(Replicate()), st.integers(0, 3).map(Shard),
+                      st.sampled_from(["sum", "avg", "max", "min"]).map(Partial))
+
+
+@given(st.lists(placement, min_size=1, max_size=3))
+def test_fmt_parse_roundtrip(pls):
+    assert parse(fmt(tuple(pls))) == tuple(pls)
+
+
+def test_valid_for_rejects_uneven_nested_and_out_of_range():
+    assert valid_for((8, 6), (Shard(0), Shard(1)), (2, 3))
+    assert not valid_for((8, 6), (Shard(1),), (4,))            # 6 % 4
+    assert not valid_for((8, 6), (Shard(0), Shard(0)), (2, 2))  # nested
+    assert not valid_for((8, 6), (Shard(2),), (2,))             # no dim 2
+
+
+def test_local_shape():
+    assert local_shape((8, 6, 4), (Shard(0), Shard(2)), (2, 2)) == (4, 6, 2)
+    assert local_shape((8, 6), (Partial(), Replicate()), (2, 2)) == (8, 6)
+
+
+def test_cost_orders_collectives():
+    shape, mesh = (1024, 1024), (4,)
+    ag = redistribute_cost(shape, torch.float32, (Shard(0),), (Replicate(),), mesh)
+    ar = redistribute_cost(shape, torch.float32, (Partial(),), (Replicate(),), mesh)
+    a2a = redistribute_cost(shape, torch.float32, (Shard(0),), (Shard(1),), mesh)
+    free = redistribute_cost(shape, torch.float32, (Replicate(),), (Shard(1),), mesh)
+    assert redistribute_cost(shape, torch.float32, (Shard(0),), (Shard(0),), mesh) == 0
+    assert free < a2a < ag < ar
