@@ -24,7 +24,7 @@ from dynamo_dist.ops import MATMUL_ND
 
 from .redistribute import AxisGroup, mesh_axes, redistribute
 from .sharding.placements import Placements, fmt, local_shape
-from .sharding.propagate import Plan, tangent_dependent
+from .sharding.propagate import Plan, replicate_source, tangent_dependent
 from .sharding.rules import GETITEM, tensor_args
 
 aten = torch.ops.aten
@@ -71,11 +71,21 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh,
         env.update(zip(tangents, tangents_in))
         cache: dict[tuple[fx.Node, Placements], torch.Tensor] = {}
 
+        placements = {n: plan.placement(n.name) for n in gm.graph.nodes if n.name in plan.nodes}
+
         def moved(a: fx.Node, req: Placements, consumer: fx.Node, k: int,
                   phase: str | None = None) -> torch.Tensor:
             cur = plan.placement(a.name)
             if cur == req:
                 return env[a]
+            src = replicate_source(a, req, placements)
+            if src is not a:
+                # replicate the re-indexed value upstream and re-apply the re-indexing (global
+                # arguments are right: a replicated local tensor is the global one)
+                if (a, req) not in cache:
+                    x = moved(a.args[0], req, consumer, k, phase)
+                    cache[(a, req)] = a.target(x, *a.args[1:], **a.kwargs)
+                return cache[(a, req)]
             if (a, req) not in cache:
                 def record(kind: str, ax: AxisGroup, t: torch.Tensor) -> None:
                     ledger.add(CollectiveEntry(

@@ -161,10 +161,13 @@ class _Walk:
         outs = list(output_node.args[0])
 
         def pay(a: fx.Node, req) -> float:
+            if req == env[a]:
+                return 0.0
+            a = replicate_source(a, req, env)
             if req == env[a] or req in paid.get(a, ()):
                 return 0.0
             paid.setdefault(a, set()).add(req)
-            return _edge_cost(a, env[a], req, mesh_shape)
+            return _edge_cost(a, env[a], req, mesh_shape, a in self.params)
 
         for k, (node, pl) in enumerate(zip(primals, self.primal_placements)):
             env[node] = pl
@@ -191,10 +194,11 @@ class _Walk:
             best, best_key = specs[0], None
             is_matmul = str(node.target) in MATMUL_OPS
             for spec in specs:
-                have = [r in available.get(a, ()) or r in hints.get(a, ())
-                        for a, r in zip(targs, spec.inputs)]
-                cost = sum(0.0 if h else _edge_cost(a, c, r, mesh_shape, a in self.params)
-                           for a, c, r, h in zip(targs, current, spec.inputs, have))
+                srcs = [replicate_source(a, r, env) for a, r in zip(targs, spec.inputs)]
+                have = [r == env[a] or r in available.get(a, ()) or r in hints.get(a, ())
+                        for a, r in zip(srcs, spec.inputs)]
+                cost = sum(0.0 if h else _edge_cost(a, env[a], r, mesh_shape, a in self.params)
+                           for a, r, h in zip(srcs, spec.inputs, have))
                 # A Partial value is a debt: someone pays its reduction later. Charge the debt
                 # an OpSpec creates and credit the debt it takes over from a Partial input
                 # (only a sole consumer takes a debt over; with other consumers it stays
@@ -215,7 +219,7 @@ class _Walk:
             edge = sum(pay(a, r) for a, r in zip(targs, best.inputs))
             total += edge
             for a, r in zip(targs, best.inputs):
-                available.setdefault(a, {env[a]}).add(r)
+                available.setdefault(replicate_source(a, r, env), set()).add(r)
             if best.source == "fallback":
                 gathered = sum(nbytes(a.meta["val"].shape, a.meta["val"].dtype) for a in targs)
                 msg = (f"no sharding rule for {node.target} ({node.name}); it runs replicated: "
@@ -275,6 +279,28 @@ def _edge_cost(node: fx.Node, cur, req, mesh_shape, is_param: bool = False) -> f
     if is_param and any(c.is_shard() and not r.is_shard() for c, r in zip(cur, req)):
         cost *= PARAM_GATHER_FACTOR
     return cost
+
+
+# Ops that only re-index their one tensor input. A Replicate copy of their output is the op
+# re-applied, with its global arguments, to a Replicate copy of their input: so a consumer that
+# needs the output replicated can share the input's all_reduce/all_gather with other consumers
+# (and, through expand, gather the smaller tensor).
+REINDEX_OPS = {"aten.permute.default", "aten.view.default", "aten.t.default",
+               "aten.alias.default", "aten.unsqueeze.default", "aten.expand.default",
+               "aten._unsafe_view.default", "aten.reshape.default", "aten.squeeze.dim",
+               "aten.clone.default"}
+
+
+def replicate_source(a: fx.Node, req, env) -> fx.Node:
+    """The node to redistribute when ``a`` must become ``req``: ``a`` itself, or, when ``req`` is
+    fully Replicate and ``a`` is a re-index of another value, the first value up that chain."""
+    if not _is_placements(req) or any(not p.is_replicate() for p in req):
+        return a
+    while a.op == "call_function" and str(a.target) in REINDEX_OPS and \
+            isinstance(a.args[0], fx.Node) and _is_placements(env.get(a.args[0])) and \
+            all(not isinstance(x, fx.Node) for x in a.args[1:]):
+        a = a.args[0]
+    return a
 
 
 _VIEW_LIKE = {"aten.permute.default", "aten.view.default", "aten.t.default", "aten.alias.default",
