@@ -84,7 +84,7 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh,
                 # arguments are right: a replicated local tensor is the global one)
                 if (a, req) not in cache:
                     x = moved(a.args[0], req, consumer, k, phase)
-                    cache[(a, req)] = a.target(x, *a.args[1:], **a.kwargs)
+                    cache[(a, req)] = _LOCAL_IMPL.get(a.target, a.target)(x, *a.args[1:], **a.kwargs)
                 return cache[(a, req)]
             if (a, req) not in cache:
                 def record(kind: str, ax: AxisGroup, t: torch.Tensor) -> None:

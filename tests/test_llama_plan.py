@@ -34,6 +34,12 @@ def test_tp_forward_matches_megatron_collectives(fake_mesh):
     assert [e.kind for e in hidden] == ["all_reduce"] * (2 * LAYERS)
     assert all(e.bytes == size.batch * size.seq * size.hidden * 4 for e in hidden)
     assert ledger.count(phase="forward") <= 2 * LAYERS + 1
+    # backward: Megatron's two all_reduces of the hidden-state gradient per layer
+    hidden_bwd = [e for e in ledger.entries if e.phase == "backward" and e.kind == "all_reduce"
+                  and e.bytes == size.batch * size.seq * size.hidden * 4]
+    assert len(hidden_bwd) == 2 * LAYERS
+    assert records[0].plan.nodes["output"].origin  # the plan is printable data
+    assert "solver" in records[0].plan.to_text()
     assert not records[0].plan.fallbacks
     for p in model.parameters():
         assert p.grad is not None and p.grad.placements == p.placements

@@ -87,7 +87,8 @@ def propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements],
               num_fwd_outputs: int, diff_outputs: Sequence[int],
               grad_placements: Sequence[Placements | None],
               constraint_of: Callable[[fx.Node], Placements | None],
-              origins: Sequence[str] = (), rounds: int = 3) -> Plan:
+              origins: Sequence[str] = (), rounds: int = 3, method: str = "ilp",
+              time_limit: float = 30.0) -> Plan:
     """Give every node of ``gm`` (a joint graph in global semantics) an OpSpec.
 
     ``primal_placements[i]``: the fixed placement of placeholder ``primals_{i+1}``;
@@ -99,6 +100,12 @@ def propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements],
     the best plan so far paid for as already available; the plan with the lowest total
     redistribute cost wins (a small local search, in the spirit of GSPMD's repeated sweeps).
     """
+    if method == "ilp":
+        plan = _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
+                          grad_placements, constraint_of, origins, time_limit)
+        if plan is not None:
+            return plan
+        log.warning("dynamo_dist: falling back to the greedy sharding walk")
     walker = _Walk(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
                    constraint_of, origins)
     best = walker.run({})
@@ -111,6 +118,69 @@ def propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements],
     return Plan(tuple(mesh.shape),
                 tuple(mesh.mesh_dim_names or [f"axis{i}" for i in range(ndim)]),
                 best.nodes, best.fallbacks, best.total)
+
+
+def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
+               constraint_of, origins, time_limit) -> Plan | None:
+    from .solver import ShardingILP
+
+    mesh_shape = tuple(mesh.shape)
+    params = parameter_views(gm, primal_placements, origins)
+
+    def edge_cost(u, o, r) -> float:
+        if o == r:
+            return 0.0
+        return _edge_cost(u, o, r, mesh_shape, u in params)
+
+    ilp = ShardingILP(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
+                      grad_placements, constraint_of, edge_cost)
+    sol = ilp.solve(time_limit)
+    if sol is None:
+        return None
+    nodes: dict[str, NodePlan] = {}
+    fallbacks: list[str] = []
+    for k, node in enumerate(ilp.primals):
+        spec = sol.chosen[node]
+        nodes[node.name] = NodePlan(node.name, "input", (), spec.output, "input", 0.0, 1,
+                                    origins[k] if k < len(origins) else "input")
+    env = {n: spec.output for n, spec in sol.chosen.items()}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node in ilp.primals:
+            continue
+        if node.op == "output":
+            continue
+        spec = sol.chosen.get(node)
+        if spec is None:
+            continue
+        targs = tensor_args(node) if node.op == "call_function" else []
+        edge = sum(_edge_cost(a, env[a], r, mesh_shape, a in params)
+                   for a, r in zip(targs, spec.inputs) if env[a] != r)
+        origin = f"solver (1 of {sol.counts[node]})"
+        if spec.source == "fallback":
+            gathered = sum(nbytes(a.meta["val"].shape, a.meta["val"].dtype) for a in targs)
+            msg = (f"no sharding rule for {node.target} ({node.name}); it runs replicated: "
+                   f"inputs {' '.join(fmt(env[a]) for a in targs)} are gathered "
+                   f"({gathered} bytes global), cost {edge:.0f}")
+            log.warning("dynamo_dist: %s", msg)
+            fallbacks.append(msg)
+            origin = "fallback: no rule"
+        op = "tangent" if node.op == "placeholder" else str(node.target)
+        nodes[node.name] = NodePlan(node.name, op, spec.inputs, spec.output, spec.source, edge,
+                                    sol.counts[node], origin)
+    out_inputs = []
+    out_cost = 0.0
+    for i, o in enumerate(ilp.outs):
+        if not isinstance(o, fx.Node):
+            continue
+        want = ilp.want(i, env[o])
+        out_inputs.append(want)
+        out_cost += _edge_cost(o, env[o], want, mesh_shape, o in params) if env[o] != want else 0.0
+    nodes[ilp.output.name] = NodePlan(
+        ilp.output.name, "output", tuple(out_inputs), None, "output", out_cost, 1,
+        "forward outputs non-Partial; gradients in their parameter's placement")
+    ndim = len(mesh_shape)
+    return Plan(mesh_shape, tuple(mesh.mesh_dim_names or [f"axis{i}" for i in range(ndim)]),
+                nodes, fallbacks, sol.objective)
 
 
 @dataclasses.dataclass

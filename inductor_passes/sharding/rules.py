@@ -127,10 +127,11 @@ def pointwise_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]
             k = d - (nd - len(s))  # broadcasting aligns trailing dims
             ins.append(Shard(k) if k >= 0 and s[k] == out_shape[d] else Replicate())
         options.append((tuple(ins), Shard(d)))
+    # Partial(avg) is kept by the same ops, but nothing here produces it except a mean, whose
+    # consumers DTensor's rules cover; offering it on every pointwise op only grows the search.
     for group in _linear_sets(node, n):
-        for red in ("sum", "avg"):
-            ins = tuple(Partial(red) if i in group else Replicate() for i in range(n))
-            options.append((ins, Partial(red)))
+        ins = tuple(Partial("sum") if i in group else Replicate() for i in range(n))
+        options.append((ins, Partial("sum")))
     return expand_to_mesh(options, mesh_shape, in_shapes, out_shape, "pointwise")
 
 

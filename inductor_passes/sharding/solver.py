@@ -1,0 +1,264 @@
+"""Whole-graph sharding as an integer linear program (the AutoParallel / Alpa formulation).
+
+Variables and constraints, each built by the function named:
+
+* ``x[v,s]`` in {0,1}: node v uses OpSpec s of its OpStrategy; ``sum_s x[v,s] = 1``
+  (``_choose_one``). Placeholders of parameters and inputs, and sharding constraints, have a
+  single OpSpec, so user placements are never overwritten.
+* ``X[u,o] = sum of x[u,s] with output(s) = o`` and ``Z[v,k,r] = sum of x[v,s] with
+  input_k(s) = r`` are linear expressions, not variables.
+* ``y[u,o,r] >= X[u,o] + Z[v,k,r] - 1`` for every consumer slot (v,k) of u (``_edges``):
+  y = 1 when u is produced as o and some consumer needs it as r. One y per (u,o,r), shared by
+  all consumers, because lowering redistributes a value once per target placement.
+* getitem nodes and cotangents are tied to their source: ``x[g,j] = X[u,o_j]`` (``_ties``);
+  a cotangent takes its forward output's placement with Partial reduced (JAX's rule).
+
+Objective (``_objective``): sum of redistribute cost * y (cost.redistribute_cost, parameters'
+gathers priced with the memory factor) + matmul compute per rank (cost.compute_cost) + the cost
+of bringing each graph output to its required placement (forward outputs non-Partial,
+gradients in their parameter's placement). Solved with HiGHS through scipy.optimize.milp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Replicate
+
+from .cost import MATMUL_OPS, compute_cost
+from .placements import Placements, fmt, nbytes, replicate
+from .rules import GETITEM, OpSpec, op_strategy, replicated_spec, tensor_args
+
+log = logging.getLogger("dynamo_dist.sharding")
+
+MAX_OPTIONS = 64
+
+
+def _nonpartial(p: Placements) -> Placements:
+    return tuple(Replicate() if isinstance(x, Partial) else x for x in p)
+
+
+def _is_placements(x) -> bool:
+    return isinstance(x, tuple) and (not x or hasattr(x[0], "is_shard"))
+
+
+@dataclasses.dataclass
+class Solution:
+    chosen: dict[fx.Node, OpSpec]
+    counts: dict[fx.Node, int]
+    objective: float
+    seconds: float
+    status: str
+
+
+class ShardingILP:
+    def __init__(self, gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements],
+                 num_fwd_outputs: int, diff_outputs: Sequence[int],
+                 grad_placements: Sequence[Placements | None],
+                 constraint_of: Callable[[fx.Node], Placements | None],
+                 edge_cost: Callable[[fx.Node, Placements, Placements], float],
+                 max_vars: int = 200_000) -> None:
+        self.max_vars = max_vars
+        self.gm, self.mesh = gm, mesh
+        self.mesh_shape = tuple(mesh.shape)
+        self.edge_cost = edge_cost
+        self.options: dict[fx.Node, list[OpSpec]] = {}
+        self.ties: list[tuple[fx.Node, int, fx.Node, object]] = []  # x[g,j] == X[u,o]
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        self.primals = [n for n in placeholders if n.name.startswith("primals")]
+        self.tangents = [n for n in placeholders if n.name.startswith("tangents")]
+        self.output = next(iter(gm.graph.find_nodes(op="output")))
+        self.outs = list(self.output.args[0])
+        self.num_fwd_outputs = num_fwd_outputs
+        self.diff_outputs = list(diff_outputs)
+        self.grad_placements = list(grad_placements)
+        self.constraint_of = constraint_of
+        for node, pl in zip(self.primals, primal_placements):
+            self.options[node] = [OpSpec((), pl, "input")]
+        self._enumerate()
+
+    # -- OpStrategies ----------------------------------------------------------------------------
+    def outputs_of(self, node: fx.Node) -> list:
+        return list(dict.fromkeys(s.output for s in self.options[node]))
+
+    def _enumerate(self) -> None:
+        ndim = len(self.mesh_shape)
+        tangent_src = dict(zip(self.tangents, (self.outs[j] for j in self.diff_outputs)))
+        # forward part first: a cotangent's options come from its forward output's
+        from .propagate import tangent_dependent
+
+        bwd = tangent_dependent(self.gm.graph)
+        order = [n for n in self.gm.graph.nodes if n not in bwd] + self.tangents + \
+            [n for n in self.gm.graph.nodes if n in bwd and n not in tangent_src]
+        for node in order:
+            if node in self.options or node.op == "output":
+                continue
+            if node in tangent_src:
+                src = tangent_src[node]
+                outs = self.outputs_of(src)
+                self.options[node] = [OpSpec((), _nonpartial(o), "cotangent") for o in outs]
+                for j, o in enumerate(outs):
+                    self.ties.append((node, j, src, o))
+                continue
+            if node.op != "call_function":
+                continue
+            if node.target is GETITEM:
+                src, idx = node.args[0], node.args[1]
+                outs = self.outputs_of(src)
+                self.options[node] = [OpSpec((), o[idx] if not _is_placements(o) else o, "getitem")
+                                      for o in outs]
+                for j, o in enumerate(outs):
+                    self.ties.append((node, j, src, o))
+                continue
+            targs = tensor_args(node)
+            choices = [self.outputs_of(a) for a in targs]
+            first = [c[0] for c in choices]
+            specs = op_strategy(node, first, self.mesh, self.mesh_shape, self.constraint_of)
+            if specs and specs[0].source.startswith("dtensor:"):
+                # DTensor's rules enumerate from the inputs' current placements: ask once per
+                # placement each input can take (others at their first), and take the union
+                for k, opts in enumerate(choices):
+                    for o in opts[1:]:
+                        cur = list(first)
+                        cur[k] = o
+                        specs += op_strategy(node, cur, self.mesh, self.mesh_shape,
+                                             self.constraint_of)
+            specs = list(dict.fromkeys(specs))
+            if not specs:
+                specs = [replicated_spec(node, ndim, "fallback")]
+            self.options[node] = specs[:MAX_OPTIONS]
+
+    # -- the program -----------------------------------------------------------------------------
+    def solve(self, time_limit: float = 60.0) -> Solution | None:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+
+        t0 = time.perf_counter()
+        xi: dict[tuple[fx.Node, int], int] = {}
+        nodes = [n for n in self.gm.graph.nodes if n in self.options]
+        for n in nodes:
+            for s in range(len(self.options[n])):
+                xi[(n, s)] = len(xi)
+        cost: list[float] = [0.0] * len(xi)
+        rows, cols, vals, lo, hi = [], [], [], [], []
+
+        def add_row(entries, low, high):
+            r = len(lo)
+            for c, v in entries:
+                rows.append(r)
+                cols.append(c)
+                vals.append(v)
+            lo.append(low)
+            hi.append(high)
+
+        def X(u, o):
+            return [xi[(u, s)] for s, spec in enumerate(self.options[u]) if spec.output == o]
+
+        # _choose_one
+        for n in nodes:
+            add_row([(xi[(n, s)], 1.0) for s in range(len(self.options[n]))], 1.0, 1.0)
+        # _ties
+        for g, j, u, o in self.ties:
+            add_row([(xi[(g, j)], 1.0)] + [(c, -1.0) for c in X(u, o)], 0.0, 0.0)
+        # _edges: per consumer slot a transportation flow e[o,r] between the producer's output
+        # choice and the consumer's input requirement (tight, unlike y >= X + Z - 1); one
+        # y[u,o,r] >= e[o,r] per (value, from, to) is what the objective pays, shared by all
+        # consumers because lowering redistributes a value once per target placement.
+        yi: dict[tuple, int] = {}
+        n_edge = 0
+        extra_cost: list[float] = []
+
+        def new_var(c: float) -> int:
+            extra_cost.append(c)
+            return len(xi) + len(extra_cost) - 1
+
+        for v in nodes:
+            if v.op != "call_function" or v.target is GETITEM:
+                continue
+            for k, u in enumerate(tensor_args(v)):
+                by_req: dict[object, list[int]] = {}
+                for s, spec in enumerate(self.options[v]):
+                    by_req.setdefault(spec.inputs[k], []).append(xi[(v, s)])
+                outs = self.outputs_of(u)
+                if len(outs) == 1 and len(by_req) == 1:
+                    o, r = outs[0], next(iter(by_req))
+                    c = self.edge_cost(u, o, r)
+                    if c > 0:  # forced: a constant, no variable needed
+                        key = (u, o, r)
+                        if key not in yi:
+                            yi[key] = new_var(c)
+                            add_row([(yi[key], 1.0)], 1.0, 1.0)
+                    continue
+                e = {}
+                for o in outs:
+                    for r in by_req:
+                        e[(o, r)] = new_var(0.0)
+                        n_edge += 1
+                for o in outs:
+                    add_row([(e[(o, r)], 1.0) for r in by_req] + [(x, -1.0) for x in X(u, o)],
+                            0.0, 0.0)
+                for r, zs in by_req.items():
+                    add_row([(e[(o, r)], 1.0) for o in outs] + [(z, -1.0) for z in zs], 0.0, 0.0)
+                for (o, r), ev in e.items():
+                    c = self.edge_cost(u, o, r)
+                    if c <= 0:
+                        continue
+                    key = (u, o, r)
+                    if key not in yi:
+                        yi[key] = new_var(c)
+                    add_row([(yi[key], 1.0), (ev, -1.0)], 0.0, np.inf)
+        cost.extend(extra_cost)
+        # _objective: compute, and outputs to their required placements
+        for n in nodes:
+            if str(n.target) in MATMUL_OPS:
+                k = tensor_args(n)[0].meta["val"].shape[-1]
+                for s, spec in enumerate(self.options[n]):
+                    if _is_placements(spec.output):
+                        cost[xi[(n, s)]] += compute_cost(str(n.target), tuple(n.meta["val"].shape),
+                                                         k, spec.output, self.mesh_shape)
+        for i, o in enumerate(self.outs):
+            if not isinstance(o, fx.Node) or o not in self.options:
+                continue
+            for s, spec in enumerate(self.options[o]):
+                want = self.want(i, spec.output)
+                cost[xi[(o, s)]] += self.edge_cost(o, spec.output, want)
+        n_var = len(cost)
+        if n_var > self.max_vars:
+            log.warning("dynamo_dist: sharding ILP too large (%d variables > %d); not solved",
+                        n_var, self.max_vars)
+            return None
+        a = coo_matrix((vals, (rows, cols)), shape=(len(lo), n_var)).tocsr()
+        integrality = np.zeros(n_var)
+        integrality[:len(xi)] = 1
+        res = milp(np.asarray(cost), constraints=LinearConstraint(a, lo, hi),
+                   integrality=integrality, bounds=Bounds(0, 1),
+                   options={"time_limit": time_limit, "presolve": True})
+        seconds = time.perf_counter() - t0
+        if res.status != 0 or res.x is None:  # only a proven optimum is worth more than greedy
+            log.warning("dynamo_dist: sharding ILP not solved to optimality (%s) in %.1fs "
+                        "(%d variables)", res.message, seconds, n_var)
+            return None
+        chosen = {}
+        for n in nodes:
+            best = max(range(len(self.options[n])), key=lambda s: res.x[xi[(n, s)]])
+            chosen[n] = self.options[n][best]
+        log.info("dynamo_dist: sharding ILP: %d choice vars, %d flow vars, %d cost vars, "
+                 "%d rows, objective %.3g, %.1fs (%s)", len(xi), n_edge, len(yi), len(lo),
+                 res.fun, seconds, res.message)
+        return Solution(chosen, {n: len(self.options[n]) for n in nodes}, float(res.fun),
+                        seconds, str(res.message))
+
+    def want(self, i: int, produced) -> Placements:
+        """Required placement of graph output i, given what its producer produced."""
+        ndim = len(self.mesh_shape)
+        if i < self.num_fwd_outputs:
+            return _nonpartial(produced) if _is_placements(produced) else replicate(ndim)
+        g = self.grad_placements[i - self.num_fwd_outputs]
+        return g if g is not None else replicate(ndim)
