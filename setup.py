@@ -8,7 +8,7 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["dynamo_dist", "dynamo_dist.*", "inductor_passes",
                                     "inductor_passes.*"]),
-    install_requires=["torch>=2.11,<2.14", "rich>=13"],
+    install_requires=["torch>=2.11,<2.14", "rich>=13", "scipy>=1.11"],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6", "transformers>=5.0"],
         "bench": ["transformers>=5.0", "matplotlib>=3.8"],

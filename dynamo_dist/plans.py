@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import fnmatch
+import functools
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -259,18 +260,23 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
         setattr(owner, leaf, nn.Parameter(dt, requires_grad=param.requires_grad))
 
     if plan.input_plan:
+        # A wrapper around forward, not a forward pre-hook: with a hook Dynamo compiles the hook
+        # and the forward as two graphs.
         specs = dict(plan.input_plan)
+        inner = model.forward
 
-        def constrain(mod, args, kwargs):
-            args = list(args)
-            for i, a in enumerate(args):
-                if i in specs and isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
-                    args[i] = with_sharding_constraint(a, mesh, to_placements(specs[i], mesh, a.ndim, f"input {i}"))
-            for k, a in list(kwargs.items()):
-                if k in specs and isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
-                    kwargs[k] = with_sharding_constraint(a, mesh, to_placements(specs[k], mesh, a.ndim, f"input '{k}'"))
-            return tuple(args), kwargs
+        def constrain(key, a):
+            if key in specs and isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
+                pls = to_placements(specs[key], mesh, a.ndim, f"input {key!r}")
+                return with_sharding_constraint(a, mesh, pls)
+            return a
 
-        model.register_forward_pre_hook(constrain, with_kwargs=True)
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            args = tuple(constrain(i, a) for i, a in enumerate(args))
+            kwargs = {k: constrain(k, a) for k, a in kwargs.items()}
+            return inner(*args, **kwargs)
+
+        model.forward = forward
     model._dynamo_dist_plan = plan  # read by tools (explain); not used by the compiler
     return model
