@@ -10,7 +10,7 @@ Runs while tracing the local graph (``make_fx``), on local tensors. Per mesh axi
     Replicate  -> Partial     this rank keeps the value at coordinate 0, zeros elsewhere
     anything   -> Partial     via Replicate
 
-Axes are reduced/gathered from the last to the first, then re-sliced from the first to the last.
+Order of the per-axis steps: see ``redistribute``.
 Every collective is appended to the ``CollectiveLedger`` with its cause.
 
 Graphs are specialised per rank (the coordinate is a constant), as Dynamo's own handling of mesh
@@ -101,26 +101,47 @@ def to_partial(x: torch.Tensor, op: str, ax: AxisGroup) -> torch.Tensor:
 
 def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[AxisGroup],
                  record: Record) -> torch.Tensor:
-    """Move local tensor ``x`` from ``src`` to ``dst`` placements (both one entry per mesh axis)."""
+    """Move local tensor ``x`` from ``src`` to ``dst`` placements (both one entry per mesh axis).
+
+    Order: (1) axes that end Replicate/Partial are gathered or reduced, last axis first;
+    (2) Shard->Shard and Partial->Shard moves (all_to_all, reduce_scatter), unless the target
+    tensor dim is still split by another axis (a nested split would concatenate shards in the
+    wrong order), in which case that axis is gathered/reduced instead; (3) local slices.
+    """
     if src == dst:
         return x
     cur = list(src)
+
+    def to_replicate(i: int) -> None:
+        nonlocal x
+        s = cur[i]
+        if type(s) is Shard:
+            x = all_gather(x, s.dim, axes[i], record)
+        else:
+            x = all_reduce(x, s.reduce_op, axes[i], record)
+        cur[i] = Replicate()
+
     for i in reversed(range(len(axes))):
-        s, d, ax = cur[i], dst[i], axes[i]
+        s, d = cur[i], dst[i]
         if s == d or type(s) is Replicate:
             continue
-        if type(s) is Shard and type(d) is Shard:
-            x = all_to_all(x, s.dim, d.dim, ax, record)
-            cur[i] = d
+        movable = type(d) is Shard and (type(s) is Shard or s.reduce_op in ("sum", "avg"))
+        if not movable:
+            to_replicate(i)
+    for i in reversed(range(len(axes))):
+        s, d = cur[i], dst[i]
+        if s == d or type(s) is Replicate:
+            continue
+        nested = any(j != i and type(cur[j]) is Shard and cur[j].dim == d.dim
+                     for j in range(len(axes)))
+        if nested:
+            to_replicate(i)
         elif type(s) is Shard:
-            x = all_gather(x, s.dim, ax, record)
-            cur[i] = Replicate()
-        elif isinstance(s, Partial) and type(d) is Shard and s.reduce_op in ("sum", "avg"):
-            x = reduce_scatter(x, s.reduce_op, d.dim, ax, record)
+            x = all_to_all(x, s.dim, d.dim, axes[i], record)
             cur[i] = d
-        else:  # Partial -> Replicate, or Partial(max/min) -> Shard via Replicate
-            x = all_reduce(x, s.reduce_op, ax, record)
-            cur[i] = Replicate()
+        else:
+            x = reduce_scatter(x, s.reduce_op, d.dim, axes[i], record)
+            cur[i] = d
     for i, ax in enumerate(axes):
         s, d = cur[i], dst[i]
         if s == d:

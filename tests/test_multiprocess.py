@@ -13,3 +13,9 @@ def test_two_rank_tp_parity(model, inductor):
                    "--inductor", inductor).stdout
     m = re.search(r"max relative loss difference ([0-9.e+-]+)", out)
     assert m and float(m.group(1)) <= 1e-4, out
+
+
+def test_every_redistribute_on_a_2x2_mesh():
+    out = torchrun("redistribute_all.py", 4).stdout
+    m = re.search(r"REDISTRIBUTE OK (\d+) pairs", out)
+    assert m and int(m.group(1)) >= 60, out
