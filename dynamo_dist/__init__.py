@@ -5,11 +5,27 @@ annotations into an SPMD program (local ops + functional collectives, compiled b
     compiled = torch.compile(model, backend="dist")
 """
 
-from .annotations import with_sharding_constraint
-from .backend import clear_compile_records, compile_records, dist_backend
-from .errors import DistCompileError
+import importlib
 
-__all__ = [
-    "DistCompileError", "clear_compile_records", "compile_records", "dist_backend",
-    "with_sharding_constraint",
-]
+# Names resolve on first use: ``inductor_passes`` imports small pieces of this package, and an
+# eager import of the backend here would make the two packages import each other.
+_EXPORTS = {
+    "DistCompileError": ".errors",
+    "with_sharding_constraint": ".annotations",
+    "dist_backend": ".backend",
+    "compile_records": ".backend",
+    "clear_compile_records": ".backend",
+    "ShardingPlan": ".plans",
+    "PartitionSpec": ".plans",
+    "TensorParallelPlanner": ".plans",
+    "DataParallelPlanner": ".plans",
+    "shard_module": ".plans",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module 'dynamo_dist' has no attribute {name!r}")

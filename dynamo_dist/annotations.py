@@ -32,6 +32,19 @@ def mesh_key(mesh: DeviceMesh) -> str:
     return key
 
 
+_DATA_AXES: dict[str, tuple[str, ...]] = {}
+
+
+def register_data_axes(mesh: DeviceMesh, axes) -> None:
+    """Record which mesh axes of ``mesh`` carry data parallelism (see ShardingPlan.data_axes)."""
+    key = mesh_key(mesh)
+    _DATA_AXES[key] = tuple(dict.fromkeys(_DATA_AXES.get(key, ()) + tuple(axes)))
+
+
+def data_axes(mesh: DeviceMesh) -> tuple[str, ...]:
+    return _DATA_AXES.get(mesh_key(mesh), ())
+
+
 def mesh_from_key(key: str) -> DeviceMesh:
     try:
         return _MESHES[key]

@@ -25,7 +25,7 @@ from inductor_passes.sharding.placements import Placements, replicate
 from inductor_passes.sharding.propagate import Plan, propagate
 
 from . import _compat
-from .annotations import CONSTRAINT_OP, decode_spec, mesh_from_key
+from .annotations import CONSTRAINT_OP, data_axes, decode_spec, mesh_from_key
 from .capture import JointProgram, trace_joint
 from .errors import DistCompileError
 from .ledger import CollectiveLedger
@@ -129,7 +129,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
 
     t = time.perf_counter()
     plan = propagate(program.graph_module, mesh, primal_pl, program.num_fwd_outputs,
-                     program.diff_outputs, grad_pl, pinned.get, origins)
+                     program.diff_outputs, grad_pl, pinned.get, origins,
+                     data_axes=data_axes(mesh))
     seconds["plan"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -139,6 +140,12 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     t = time.perf_counter()
     has_bwd = torch.is_grad_enabled() and bool(program.diff_outputs) and \
         any(i.requires_grad for i in program.primal_inputs)
+    if os.environ.get("DYNAMO_DIST_DUMP"):
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        os.makedirs(os.environ["DYNAMO_DIST_DUMP"], exist_ok=True)
+        with open(os.path.join(os.environ["DYNAMO_DIST_DUMP"],
+                               f"graph{len(_RECORDS) + 1}_rank{rank}_local_joint.py"), "w") as f:
+            f.write(local_gm.print_readable(print_output=False))
     joint = compile_joint(local_gm, program.num_fwd_outputs, has_bwd, inductor)
     seconds["inductor"] = time.perf_counter() - t
 

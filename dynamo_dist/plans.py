@@ -102,12 +102,16 @@ class ShardingPlan:
                   constraint on that input (the value passed is the GLOBAL tensor).
     output_plan:  output (position, or key of a dict-like output) -> placement spec.
     return_local_tensor: outputs are returned as local shards instead of DTensors.
+    data_axes:    mesh axes that carry data parallelism: the compiler gathers parameters there
+                  at use without a memory price (ZeRO-3 / FSDP), and keeps them sharded on the
+                  other axes.
     """
 
     plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     input_plan: Mapping[int | str, Any] = dataclasses.field(default_factory=dict)
     output_plan: Mapping[int | str, Any] = dataclasses.field(default_factory=dict)
     return_local_tensor: bool = False
+    data_axes: tuple[str, ...] = ()
 
     def placement_for(self, fqn: str) -> Any | None:
         for pattern, spec in self.plan.items():
@@ -125,7 +129,8 @@ class ShardingPlan:
                 (b if b is not None else a)
         return ShardingPlan(plan=plan, input_plan={**self.input_plan, **other.input_plan},
                             output_plan={**self.output_plan, **other.output_plan},
-                            return_local_tensor=self.return_local_tensor or other.return_local_tensor)
+                            return_local_tensor=self.return_local_tensor or other.return_local_tensor,
+                            data_axes=tuple(dict.fromkeys(self.data_axes + other.data_axes)))
 
 
 class ShardingPlanner(abc.ABC):
@@ -222,7 +227,7 @@ class DataParallelPlanner(ShardingPlanner):
                     plan[fqn] = {**(taken or {}), self.axis: Shard(d)}
                     break
         input_plan = {k: {self.axis: Shard(0)} for k in self.inputs}
-        return base.merged(ShardingPlan(plan=plan, input_plan=input_plan))
+        return base.merged(ShardingPlan(plan=plan, input_plan=input_plan, data_axes=(self.axis,)))
 
 
 def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.Module:
@@ -232,7 +237,7 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
     buffers stay plain tensors (global values). Inputs named in ``plan.input_plan`` get a sharding
     constraint each call. Raises DistCompileError for a placement that cannot apply.
     """
-    from .annotations import with_sharding_constraint
+    from .annotations import register_data_axes, with_sharding_constraint
 
     _compat.allow_implicit_replication(True)
     _compat.install_dynamo_tracing_fallback()
@@ -278,5 +283,6 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
             return inner(*args, **kwargs)
 
         model.forward = forward
+    register_data_axes(mesh, plan.data_axes)
     model._dynamo_dist_plan = plan  # read by tools (explain); not used by the compiler
     return model

@@ -95,7 +95,8 @@ def to_partial(x: torch.Tensor, op: str, ax: AxisGroup) -> torch.Tensor:
     multiply by a per-rank constant so every rank's graph has the same structure (a structural
     difference would let the partitioner split ranks differently and hang a collective)."""
     if op == "sum":
-        return x * (1.0 if ax.coordinate == 0 else 0.0)
+        keep = 1 if ax.coordinate == 0 else 0
+        return x * (float(keep) if x.is_floating_point() else keep)
     return x
 
 

@@ -83,12 +83,20 @@ def tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
     return bwd
 
 
-def propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements],
+def propagate(*args, **kwargs) -> Plan:
+    """See ``_propagate``; logs each replicated fallback of the final plan once."""
+    plan = _propagate(*args, **kwargs)
+    for msg in plan.fallbacks:
+        log.warning("dynamo_dist: %s", msg)
+    return plan
+
+
+def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements],
               num_fwd_outputs: int, diff_outputs: Sequence[int],
               grad_placements: Sequence[Placements | None],
               constraint_of: Callable[[fx.Node], Placements | None],
               origins: Sequence[str] = (), rounds: int = 3, method: str = "ilp",
-              time_limit: float = 30.0) -> Plan:
+              time_limit: float = 30.0, data_axes: Sequence[str] = ()) -> Plan:
     """Give every node of ``gm`` (a joint graph in global semantics) an OpSpec.
 
     ``primal_placements[i]``: the fixed placement of placeholder ``primals_{i+1}``;
@@ -100,14 +108,13 @@ def propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements],
     the best plan so far paid for as already available; the plan with the lowest total
     redistribute cost wins (a small local search, in the spirit of GSPMD's repeated sweeps).
     """
+    args = (gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
+            constraint_of, origins, tuple(data_axes))
     if method == "ilp":
-        plan = _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
-                          grad_placements, constraint_of, origins, time_limit)
+        plan = _solve_ilp(*args, time_limit)
         if plan is not None:
             return plan
-        log.warning("dynamo_dist: falling back to the greedy sharding walk")
-    walker = _Walk(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
-                   constraint_of, origins)
+    walker = _Walk(*args)
     best = walker.run({})
     for _ in range(rounds - 1):
         trial = walker.run(best.paid)
@@ -115,25 +122,48 @@ def propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements],
             break
         best = trial
     ndim = len(mesh.shape)
-    return Plan(tuple(mesh.shape),
+    plan = Plan(tuple(mesh.shape),
                 tuple(mesh.mesh_dim_names or [f"axis{i}" for i in range(ndim)]),
                 best.nodes, best.fallbacks, best.total)
+    if method == "ilp" and ndim > 1:
+        # The whole 2-D problem is too large; improve the greedy plan one mesh axis at a time
+        # (block coordinate descent: each ILP keeps the other axes as they are, so its optimum
+        # is never worse than the plan it starts from).
+        def as_base(p: Plan) -> dict[str, OpSpec]:
+            return {name: OpSpec(n.inputs, n.output, n.source)
+                    for name, n in p.nodes.items() if n.op != "output"}
+
+        # the greedy plan priced by the ILP's cost model (no axis free: one option per node)
+        priced = _solve_ilp(*args, time_limit, base=as_base(plan), free_axis=-1)
+        if priced is not None:
+            plan.total_cost = priced.total_cost
+        for _ in range(2):
+            improved = False
+            for axis in range(ndim):
+                trial = _solve_ilp(*args, time_limit, base=as_base(plan), free_axis=axis)
+                if trial is not None and trial.total_cost < plan.total_cost - 1e-6:
+                    plan, improved = trial, True
+            if not improved:
+                break
+        log.info("dynamo_dist: per-axis ILP refinement: plan cost %.3g", plan.total_cost)
+    return plan
 
 
 def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
-               constraint_of, origins, time_limit) -> Plan | None:
+               constraint_of, origins, data_axes, time_limit, base=None,
+               free_axis=None) -> Plan | None:
     from .solver import ShardingILP
 
     mesh_shape = tuple(mesh.shape)
-    params = parameter_views(gm, primal_placements, origins)
+    params = parameter_views(gm, origins, _priced_axes(mesh, data_axes))
 
     def edge_cost(u, o, r) -> float:
         if o == r:
             return 0.0
-        return _edge_cost(u, o, r, mesh_shape, u in params)
+        return _edge_cost(u, o, r, mesh_shape, params.get(u, ()))
 
     ilp = ShardingILP(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
-                      grad_placements, constraint_of, edge_cost)
+                      grad_placements, constraint_of, edge_cost, base=base, free_axis=free_axis)
     sol = ilp.solve(time_limit)
     if sol is None:
         return None
@@ -153,16 +183,11 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
         if spec is None:
             continue
         targs = tensor_args(node) if node.op == "call_function" else []
-        edge = sum(_edge_cost(a, env[a], r, mesh_shape, a in params)
+        edge = sum(_edge_cost(a, env[a], r, mesh_shape, params.get(a, ()))
                    for a, r in zip(targs, spec.inputs) if env[a] != r)
         origin = f"solver (1 of {sol.counts[node]})"
         if spec.source == "fallback":
-            gathered = sum(nbytes(a.meta["val"].shape, a.meta["val"].dtype) for a in targs)
-            msg = (f"no sharding rule for {node.target} ({node.name}); it runs replicated: "
-                   f"inputs {' '.join(fmt(env[a]) for a in targs)} are gathered "
-                   f"({gathered} bytes global), cost {edge:.0f}")
-            log.warning("dynamo_dist: %s", msg)
-            fallbacks.append(msg)
+            fallbacks.append(_fallback_message(node, targs, [env[a] for a in targs], edge))
             origin = "fallback: no rule"
         op = "tangent" if node.op == "placeholder" else str(node.target)
         nodes[node.name] = NodePlan(node.name, op, spec.inputs, spec.output, spec.source, edge,
@@ -174,7 +199,7 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
             continue
         want = ilp.want(i, env[o])
         out_inputs.append(want)
-        out_cost += _edge_cost(o, env[o], want, mesh_shape, o in params) if env[o] != want else 0.0
+        out_cost += _edge_cost(o, env[o], want, mesh_shape, params.get(o, ())) if env[o] != want else 0.0
     nodes[ilp.output.name] = NodePlan(
         ilp.output.name, "output", tuple(out_inputs), None, "output", out_cost, 1,
         "forward outputs non-Partial; gradients in their parameter's placement")
@@ -193,7 +218,7 @@ class _WalkResult:
 
 class _Walk:
     def __init__(self, gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
-                 grad_placements, constraint_of, origins) -> None:
+                 grad_placements, constraint_of, origins, data_axes=()) -> None:
         self.gm, self.mesh = gm, mesh
         self.mesh_shape = tuple(mesh.shape)
         self.primal_placements = primal_placements
@@ -203,7 +228,7 @@ class _Walk:
         self.constraint_of = constraint_of
         self.origins = origins
         self.bwd = tangent_dependent(gm.graph)
-        self.params = parameter_views(gm, primal_placements, origins)
+        self.params = parameter_views(gm, origins, _priced_axes(mesh, data_axes))
         self.strategies: dict[tuple, list[OpSpec]] = {}
 
     def _specs(self, node, current) -> list[OpSpec]:
@@ -237,7 +262,7 @@ class _Walk:
             if req == env[a] or req in paid.get(a, ()):
                 return 0.0
             paid.setdefault(a, set()).add(req)
-            return _edge_cost(a, env[a], req, mesh_shape, a in self.params)
+            return _edge_cost(a, env[a], req, mesh_shape, self.params.get(a, ()))
 
         for k, (node, pl) in enumerate(zip(primals, self.primal_placements)):
             env[node] = pl
@@ -267,7 +292,7 @@ class _Walk:
                 srcs = [replicate_source(a, r, env) for a, r in zip(targs, spec.inputs)]
                 have = [r == env[a] or r in available.get(a, ()) or r in hints.get(a, ())
                         for a, r in zip(srcs, spec.inputs)]
-                cost = sum(0.0 if h else _edge_cost(a, env[a], r, mesh_shape, a in self.params)
+                cost = sum(0.0 if h else _edge_cost(a, env[a], r, mesh_shape, self.params.get(a, ()))
                            for a, r, h in zip(srcs, spec.inputs, have))
                 # A Partial value is a debt: someone pays its reduction later. Charge the debt
                 # an OpSpec creates and credit the debt it takes over from a Partial input
@@ -291,12 +316,7 @@ class _Walk:
             for a, r in zip(targs, best.inputs):
                 available.setdefault(replicate_source(a, r, env), set()).add(r)
             if best.source == "fallback":
-                gathered = sum(nbytes(a.meta["val"].shape, a.meta["val"].dtype) for a in targs)
-                msg = (f"no sharding rule for {node.target} ({node.name}); it runs replicated: "
-                       f"inputs {' '.join(fmt(c) for c in current)} are gathered "
-                       f"({gathered} bytes global), cost {edge:.0f}")
-                log.warning("dynamo_dist: %s", msg)
-                fallbacks.append(msg)
+                fallbacks.append(_fallback_message(node, targs, current, edge))
             env[node] = best.output
             available[node] = {best.output}
             nodes[node.name] = NodePlan(node.name, str(node.target), best.inputs, best.output,
@@ -343,10 +363,13 @@ class _Walk:
 PARAM_GATHER_FACTOR = 3.0
 
 
-def _edge_cost(node: fx.Node, cur, req, mesh_shape, is_param: bool = False) -> float:
+def _edge_cost(node: fx.Node, cur, req, mesh_shape, priced_axes: tuple[int, ...] = ()) -> float:
+    """Redistribute cost; ``priced_axes``: mesh axes on which gathering this value (a parameter)
+    also costs memory (every axis but the data-parallel ones, where gathering parameters at use
+    is the plan: ZeRO-3 / FSDP)."""
     val = node.meta["val"]
     cost = redistribute_cost(tuple(val.shape), val.dtype, cur, req, mesh_shape)
-    if is_param and any(c.is_shard() and not r.is_shard() for c, r in zip(cur, req)):
+    if any(cur[i].is_shard() and not req[i].is_shard() for i in priced_axes):
         cost *= PARAM_GATHER_FACTOR
     return cost
 
@@ -379,14 +402,16 @@ _VIEW_LIKE = {"aten.permute.default", "aten.view.default", "aten.t.default", "at
               "prims.convert_element_type.default"}
 
 
-def parameter_views(gm: fx.GraphModule, primal_placements, origins) -> set[fx.Node]:
-    """Parameter inputs (DTensor primals that get a gradient) and views/casts of them."""
+def parameter_views(gm: fx.GraphModule, origins, priced_axes: tuple[int, ...]
+                    ) -> dict[fx.Node, tuple[int, ...]]:
+    """Parameter inputs (DTensor primals) and views/casts of them -> the mesh axes on which
+    gathering them is priced as memory."""
     primals = [n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
-    found = {n for n, o in zip(primals, origins) if o.startswith("DTensor input")}
+    found = {n: priced_axes for n, o in zip(primals, origins) if o.startswith("DTensor input")}
     for node in gm.graph.nodes:
         if node.op == "call_function" and str(node.target) in _VIEW_LIKE and \
                 node.args and node.args[0] in found:
-            found.add(node)
+            found[node] = priced_axes
     return found
 
 
@@ -401,6 +426,21 @@ def _debt(node: fx.Node, output, mesh_shape) -> float:
         dst = tuple(Replicate() if isinstance(p, Partial) else p for p in pls)
         total += redistribute_cost(tuple(v.shape), v.dtype, pls, dst, mesh_shape)
     return total
+
+
+def _fallback_message(node: fx.Node, targs, current, edge: float) -> str:
+    from dynamo_dist.errors import user_source  # lazy: dynamo_dist imports this package
+
+    gathered = sum(nbytes(a.meta["val"].shape, a.meta["val"].dtype) for a in targs)
+    where = user_source(node)
+    return (f"no sharding rule for {node.target} ({node.name}{', ' + where if where else ''}); "
+            f"it runs replicated: inputs {' '.join(fmt(c) for c in current)} are gathered "
+            f"({gathered} bytes global), cost {edge:.0f}")
+
+
+def _priced_axes(mesh, data_axes: Sequence[str]) -> tuple[int, ...]:
+    names = mesh.mesh_dim_names or ()
+    return tuple(i for i in range(mesh.ndim) if i >= len(names) or names[i] not in data_axes)
 
 
 def _has_partial(output) -> bool:

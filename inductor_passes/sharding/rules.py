@@ -24,6 +24,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from dynamo_dist import _compat  # noqa: F401  (its Inductor imports register the prims ops)
 from dynamo_dist.ops import MATMUL_ND
 
 from .placements import Placements, valid_for
@@ -227,6 +228,22 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
     ``current`` holds the placements its tensor inputs have now (DTensor's rules need them to
     enumerate). ``constraint_of`` returns the placements a sharding-constraint node pins.
     """
+    return [s for s in _op_strategy(node, current, mesh, mesh_shape, constraint_of)
+            if _partial_only_on_floats(node, s)]
+
+
+def _partial_only_on_floats(node: fx.Node, spec: OpSpec) -> bool:
+    """A pending sum of integers or booleans (indices, masks) is never what a program means."""
+    vals = [(a.meta["val"], p) for a, p in zip(tensor_args(node), spec.inputs)]
+    out = node.meta.get("val")
+    if isinstance(out, torch.Tensor) and hasattr(spec.output, "__len__") and \
+            all(hasattr(p, "is_shard") for p in spec.output):
+        vals.append((out, spec.output))
+    return all(v.is_floating_point() or not any(isinstance(p, Partial) for p in pls)
+               for v, pls in vals)
+
+
+def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]:
     op = node.target
     ndim = len(mesh_shape)
     pinned = constraint_of(node)

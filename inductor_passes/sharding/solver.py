@@ -49,6 +49,20 @@ def _is_placements(x) -> bool:
     return isinstance(x, tuple) and (not x or hasattr(x[0], "is_shard"))
 
 
+def _agrees(spec: OpSpec, base: OpSpec, free_axis: int | None) -> bool:
+    """Same placements as ``base`` on every mesh axis except ``free_axis``."""
+    def same(a, b) -> bool:
+        if a is None or b is None:
+            return a is b
+        if _is_placements(a):
+            return _is_placements(b) and len(a) == len(b) and all(
+                x == y for i, (x, y) in enumerate(zip(a, b)) if i != free_axis)
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+    return same(spec.output, base.output) and len(spec.inputs) == len(base.inputs) and \
+        all(same(x, y) for x, y in zip(spec.inputs, base.inputs))
+
+
 @dataclasses.dataclass
 class Solution:
     chosen: dict[fx.Node, OpSpec]
@@ -64,8 +78,12 @@ class ShardingILP:
                  grad_placements: Sequence[Placements | None],
                  constraint_of: Callable[[fx.Node], Placements | None],
                  edge_cost: Callable[[fx.Node, Placements, Placements], float],
-                 max_vars: int = 200_000) -> None:
+                 max_vars: int = 200_000, base: dict[str, OpSpec] | None = None,
+                 free_axis: int | None = None) -> None:
         self.max_vars = max_vars
+        # with ``base`` (an OpSpec per node name), only OpSpecs that agree with it on every mesh
+        # axis but ``free_axis`` are offered: one block of a coordinate descent over mesh axes
+        self.base, self.free_axis = base, free_axis
         self.gm, self.mesh = gm, mesh
         self.mesh_shape = tuple(mesh.shape)
         self.edge_cost = edge_cost
@@ -131,6 +149,9 @@ class ShardingILP:
                         specs += op_strategy(node, cur, self.mesh, self.mesh_shape,
                                              self.constraint_of)
             specs = list(dict.fromkeys(specs))
+            if self.base is not None and node.name in self.base:
+                keep = self.base[node.name]
+                specs = [sp for sp in specs if _agrees(sp, keep, self.free_axis)] or [keep]
             if not specs:
                 specs = [replicated_spec(node, ndim, "fallback")]
             self.options[node] = specs[:MAX_OPTIONS]
@@ -231,7 +252,7 @@ class ShardingILP:
                 cost[xi[(o, s)]] += self.edge_cost(o, spec.output, want)
         n_var = len(cost)
         if n_var > self.max_vars:
-            log.warning("dynamo_dist: sharding ILP too large (%d variables > %d); not solved",
+            log.info("dynamo_dist: sharding ILP too large (%d variables > %d); not solved",
                         n_var, self.max_vars)
             return None
         a = coo_matrix((vals, (rows, cols)), shape=(len(lo), n_var)).tocsr()
