@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
                     help="shard parameters over the dp axis (default) or replicate them (DDP)")
+    ap.add_argument("--attn", choices=["sdpa", "eager"], default="eager",
+                    help="attention implementation of the Llama (sdpa: not supported yet)")
     ap.add_argument("--tol", type=float, default=1e-4, help="relative fp32 tolerance")
     ap.add_argument("--no-inductor", action="store_true", help="run the local graphs as FX graphs")
     args = ap.parse_args(argv)
@@ -74,7 +76,7 @@ def run(args, axes: dict[str, int]) -> int:
                          f"got {dist.get_world_size()}")
     mesh = init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
     size = LlamaSize(layers=args.layers, batch=args.batch, seq=args.seq)
-    ref = build_llama(size)
+    ref = build_llama(size, attn=args.attn)
     model = copy.deepcopy(ref)
 
     plan = None
@@ -143,6 +145,7 @@ def run(args, axes: dict[str, int]) -> int:
         f"tolerance {args.tol:.0e}")
     ok = worst <= args.tol and param_rel <= args.tol
     say("[green]PASS[/]" if ok else "[red]FAIL[/]: outside tolerance")
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1
 

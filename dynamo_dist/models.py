@@ -28,11 +28,12 @@ class LlamaSize:
             raise ValueError(f"heads {self.heads} must be a multiple of kv_heads {self.kv_heads}")
 
 
-def build_llama(size: LlamaSize, seed: int = 0) -> nn.Module:
-    """transformers' LlamaForCausalLM with random weights (fixed seed), fp32, eager attention.
+def build_llama(size: LlamaSize, seed: int = 0, attn: str = "eager") -> nn.Module:
+    """transformers' LlamaForCausalLM with random weights (fixed seed), fp32.
 
-    Eager attention: with DTensor parameters Dynamo runs DTensor's own dispatch to build example
-    values, and DTensor's propagation through the SDPA CPU decomposition takes minutes.
+    ``attn`` defaults to HF's "eager" attention (matmul + softmax). With "sdpa", Dynamo's own
+    trace of the DTensor program fails inside DTensor's SDPA dispatch (a view of the causal mask
+    with local shapes), before our backend is reached.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -41,7 +42,7 @@ def build_llama(size: LlamaSize, seed: int = 0) -> nn.Module:
                       num_key_value_heads=size.kv_heads, vocab_size=size.vocab,
                       max_position_embeddings=max(256, size.seq), tie_word_embeddings=False,
                       use_cache=False)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attn
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).float()
 

@@ -40,3 +40,4 @@ def wants_matmul_nd(a, b) -> bool:
     """True for matmuls with two or more equal batch dims (the case bmm's view would hide)."""
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.ndim == b.ndim
             and a.ndim >= 4 and a.shape[:-2] == b.shape[:-2])
+

@@ -86,7 +86,9 @@ def test_fsdp_tp_plan_avoids_nested_dims(fake_mesh):
     assert tuple(o.placements) == (torch.distributed.tensor.Shard(0), torch.distributed.tensor.Shard(1))
     records = _compile_step(model, size)
     ledger = sum((r.ledger.entries for r in records), [])
-    assert any(e.kind == "reduce_scatter" and e.mesh_axis == "dp" for e in ledger), \
-        "FSDP gradients are reduce-scattered over dp"
+    # gradients of dp-sharded parameters are reduced over dp (which collective the cost model
+    # picks for that, reduce_scatter or all_reduce + slice, depends on sizes)
+    assert any(e.phase == "backward" and e.mesh_axis == "dp" and
+               e.kind in ("reduce_scatter", "all_reduce") for e in ledger)
     for p in model.parameters():
         assert p.grad.placements == p.placements

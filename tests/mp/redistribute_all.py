@@ -50,6 +50,7 @@ def main() -> int:
             checked += 1
     if dist.get_rank() == 0:
         print(f"REDISTRIBUTE OK {checked} pairs")
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

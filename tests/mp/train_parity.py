@@ -35,6 +35,7 @@ def main() -> int:
     ap.add_argument("--mesh", default="tp=2")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--inductor", type=int, default=1)
+    ap.add_argument("--attn", default="eager")
     args = ap.parse_args()
     axes = parse_mesh(args.mesh)
     dist.init_process_group("gloo")
@@ -45,7 +46,7 @@ def main() -> int:
         size = None
     else:
         size = LlamaSize(layers=2, seq=32)
-        ref = build_llama(size)
+        ref = build_llama(size, attn=args.attn)
     model = copy.deepcopy(ref)
     plan = TensorParallelPlanner().build_plan(model) if "tp" in axes else None
     if "dp" in axes:
@@ -77,6 +78,7 @@ def main() -> int:
         torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=n)
     if dist.get_rank() == 0:
         print(f"PARITY {args.model} {args.mesh}: max relative loss difference {worst:.2e}")
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if worst <= 1e-4 else 1
 
