@@ -17,17 +17,14 @@ import torch
 TORCH_CHECKED = ("2.11", "2.13")
 
 # -- FX / tracing (2.13) ------------------------------------------------------------------
-from torch._subclasses.fake_tensor import FakeTensorMode, FakeTensor  # noqa: E402,F401
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402,F401
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402,F401
 from torch._guards import TracingContext, tracing, detect_fake_mode  # noqa: E402,F401
 
 # -- Inductor (2.13) ------------------------------------------------------------------------
 from torch._inductor.compile_fx import compile_fx_inner  # noqa: E402,F401
 from torch._inductor.decomposition import select_decomp_table  # noqa: E402,F401
-from torch._functorch.partitioners import (  # noqa: E402,F401
-    default_partition,
-    min_cut_rematerialization_partition,
-)
+from torch._functorch.partitioners import default_partition  # noqa: E402,F401
 
 # -- DTensor internals (2.13): spec classes and the strategy registry ----------------------
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402,F401
@@ -102,8 +99,6 @@ def allow_implicit_replication(enabled: bool = True) -> None:
     DTensor._op_dispatcher._allow_implicit_replication = enabled
 
 
-def force_non_lazy_backward() -> contextlib.AbstractContextManager:
-    return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
 
 
 

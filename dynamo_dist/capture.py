@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, DeviceMesh
-from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.distributed.tensor.placement_types import Placement
 
 from . import _compat
 from .errors import DistCompileError

@@ -100,8 +100,6 @@ class ShardingPlan:
                   matching pattern wins; unmatched parameters are replicated.
     input_plan:   forward argument (position or keyword name) -> placement spec; a sharding
                   constraint on that input (the value passed is the GLOBAL tensor).
-    output_plan:  output (position, or key of a dict-like output) -> placement spec.
-    return_local_tensor: outputs are returned as local shards instead of DTensors.
     data_axes:    mesh axes that carry data parallelism: the compiler gathers parameters there
                   at use without a memory price (ZeRO-3 / FSDP), and keeps them sharded on the
                   other axes.
@@ -109,8 +107,6 @@ class ShardingPlan:
 
     plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     input_plan: Mapping[int | str, Any] = dataclasses.field(default_factory=dict)
-    output_plan: Mapping[int | str, Any] = dataclasses.field(default_factory=dict)
-    return_local_tensor: bool = False
     data_axes: tuple[str, ...] = ()
 
     def placement_for(self, fqn: str) -> Any | None:
@@ -128,8 +124,6 @@ class ShardingPlan:
             plan[k] = {**a, **b} if isinstance(a, Mapping) and isinstance(b, Mapping) else \
                 (b if b is not None else a)
         return ShardingPlan(plan=plan, input_plan={**self.input_plan, **other.input_plan},
-                            output_plan={**self.output_plan, **other.output_plan},
-                            return_local_tensor=self.return_local_tensor or other.return_local_tensor,
                             data_axes=tuple(dict.fromkeys(self.data_axes + other.data_axes)))
 
 

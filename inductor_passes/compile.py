@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import torch
 import torch.fx as fx
 
 from dynamo_dist import _compat

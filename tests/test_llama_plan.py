@@ -1,7 +1,6 @@
 """Plans and ledgers for the demo's Llama traced on a `fake` process group (no communication):
 the tensor-parallel forward must use exactly Megatron's collectives, 2 all_reduce per layer."""
 
-import pytest
 import torch
 
 from dynamo_dist import compile_records
@@ -34,6 +33,8 @@ def test_tp_forward_matches_megatron_collectives(fake_mesh):
     assert [e.kind for e in hidden] == ["all_reduce"] * (2 * LAYERS)
     assert all(e.bytes == size.batch * size.seq * size.hidden * 4 for e in hidden)
     assert ledger.count(phase="forward") <= 2 * LAYERS + 1
+    assert ledger.total_bytes(phase="forward") == sum(
+        e.bytes for e in ledger.entries if e.phase == "forward")
     # backward: Megatron's two all_reduces of the hidden-state gradient per layer
     hidden_bwd = [e for e in ledger.entries if e.phase == "backward" and e.kind == "all_reduce"
                   and e.bytes == size.batch * size.seq * size.hidden * 4]

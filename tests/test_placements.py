@@ -1,4 +1,3 @@
-import pytest
 import torch
 from hypothesis import given, strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard

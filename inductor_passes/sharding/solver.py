@@ -22,18 +22,16 @@ gradients in their parameter's placement). Solved with HiGHS through scipy.optim
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from .cost import MATMUL_OPS, compute_cost
-from .placements import Placements, fmt, nbytes, replicate
+from .placements import Placements, replicate
 from .rules import GETITEM, OpSpec, op_strategy, replicated_spec, tensor_args
 
 log = logging.getLogger("dynamo_dist.sharding")

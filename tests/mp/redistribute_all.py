@@ -7,7 +7,6 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from inductor_passes.redistribute import mesh_axes, redistribute
