@@ -102,6 +102,21 @@ def allow_implicit_replication(enabled: bool = True) -> None:
 
 
 
+def dist_backend_is_tracing() -> bool:
+    """True while Dynamo traces a frame for the ``dist`` backend (not for any other backend)."""
+    from torch._dynamo import symbolic_convert
+
+    tx = getattr(symbolic_convert.tls, "current_tx", None)
+    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
+    for _ in range(8):  # unwrap Dynamo's debug wrapper and torch.compile's options wrapper
+        if fn is None:
+            return False
+        if getattr(fn, "_dynamo_dist_backend", False):
+            return True
+        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
+    return False
+
+
 def install_dynamo_tracing_fallback() -> None:
     """Make DTensor's sharding propagation replicate everything while Dynamo traces.
 
@@ -110,8 +125,9 @@ def install_dynamo_tracing_fallback() -> None:
     path takes minutes) and fail on cases our compiler handles (a view over a 2-D mesh gives a
     ``_StridedShard`` that ``bmm`` rejects; local strides that a global view does not allow).
     The ``dist`` backend ignores those placements -- it re-plans the whole program in global
-    semantics -- and global shapes and dtypes do not depend on placements, so while tracing we
-    propagate with every input replicated. Outside tracing DTensor is unchanged. Idempotent.
+    semantics -- and global shapes and dtypes do not depend on placements, so while Dynamo traces
+    for the ``dist`` backend we propagate with every input replicated. Other backends and eager
+    DTensor are unchanged. Idempotent.
     """
     from torch.distributed.tensor.placement_types import Replicate
 
@@ -131,7 +147,7 @@ def install_dynamo_tracing_fallback() -> None:
     def propagate(op_schema):
         from torch.distributed._functional_collectives import _are_we_tracing
 
-        if not _are_we_tracing():
+        if not _are_we_tracing() or not dist_backend_is_tracing():
             return original(op_schema)
         rep = OpSchema(op_schema.op, tuple(replicated(a) for a in op_schema.args_schema),
                        {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},

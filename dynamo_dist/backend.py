@@ -167,3 +167,6 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     log.info("dynamo_dist: compiled graph (%s); %d collectives", 
              ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items()), len(ledger.entries))
     return step
+
+
+dist_backend._dynamo_dist_backend = True  # how _compat recognises Dynamo tracing for us

@@ -93,3 +93,31 @@ def test_fsdp_tp_plan_avoids_nested_dims(fake_mesh):
                e.kind in ("reduce_scatter", "all_reduce") for e in ledger)
     for p in model.parameters():
         assert p.grad.placements == p.placements
+
+
+
+def test_no_more_collectives_than_torch_parallelize_module(fake_mesh):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "helpers", "torch_tp_counts.py"),
+                           str(LAYERS), "32"], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    torch_fw, torch_bw = sum(counts["forward"].values()), sum(counts["backward"].values())
+    assert counts["forward"] == {"all_reduce": 2 * LAYERS}  # the stock plan is Megatron's
+
+    mesh = fake_mesh((2,), ("tp",))
+    size = LlamaSize(layers=LAYERS, seq=32)
+    model = build_llama(size)
+    shard_module(model, mesh, TensorParallelPlanner().build_plan(model))
+    ledger = _compile_step(model, size)[0].ledger
+    # ours: the same hidden-state all_reduces, plus at most the 4-byte loss one in the forward;
+    # fewer in total (the stock backward has 2 * LAYERS + 2 more)
+    assert ledger.count(phase="forward") <= torch_fw + 1
+    assert ledger.count() <= torch_fw + torch_bw
