@@ -68,14 +68,21 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
         return _compile(gm, list(example_inputs), bool(opts.pop("inductor", True)))
 
 
-def _dump(index: int, mesh, program: JointProgram, plan: Plan, joint) -> None:
-    """With DYNAMO_DIST_DUMP=DIR, write the global graph, plan and local graphs of each rank."""
+def _dump_base(index: int) -> str | None:
+    """Path prefix for DYNAMO_DIST_DUMP files of graph ``index`` on this rank (None: no dump)."""
     out = os.environ.get("DYNAMO_DIST_DUMP")
     if not out:
-        return
+        return None
     os.makedirs(out, exist_ok=True)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    base = os.path.join(out, f"graph{index}_rank{rank}")
+    return os.path.join(out, f"graph{index}_rank{rank}")
+
+
+def _dump(index: int, mesh, program: JointProgram, plan: Plan, joint) -> None:
+    """With DYNAMO_DIST_DUMP=DIR, write the global graph, plan and local graphs of each rank."""
+    base = _dump_base(index)
+    if not base:
+        return
     with open(base + "_global.py", "w") as f:
         f.write(program.graph_module.print_readable(print_output=False))
     with open(base + "_plan.txt", "w") as f:
@@ -140,11 +147,9 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     t = time.perf_counter()
     has_bwd = torch.is_grad_enabled() and bool(program.diff_outputs) and \
         any(i.requires_grad for i in program.primal_inputs)
-    if os.environ.get("DYNAMO_DIST_DUMP"):
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        os.makedirs(os.environ["DYNAMO_DIST_DUMP"], exist_ok=True)
-        with open(os.path.join(os.environ["DYNAMO_DIST_DUMP"],
-                               f"graph{len(_RECORDS) + 1}_rank{rank}_local_joint.py"), "w") as f:
+    base = _dump_base(len(_RECORDS) + 1)
+    if base:  # before Inductor, so a graph that fails to compile can be read
+        with open(base + "_local_joint.py", "w") as f:
             f.write(local_gm.print_readable(print_output=False))
     joint = compile_joint(local_gm, program.num_fwd_outputs, has_bwd, inductor)
     seconds["inductor"] = time.perf_counter() - t
