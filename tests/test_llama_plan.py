@@ -87,10 +87,16 @@ def test_fsdp_tp_plan_avoids_nested_dims(fake_mesh):
     assert tuple(o.placements) == (torch.distributed.tensor.Shard(0), torch.distributed.tensor.Shard(1))
     records = _compile_step(model, size)
     ledger = sum((r.ledger.entries for r in records), [])
-    # gradients of dp-sharded parameters are reduced over dp (which collective the cost model
-    # picks for that, reduce_scatter or all_reduce + slice, depends on sizes)
+    # data parallelism on dp: the forward gathers parameters there (FSDP) and never reduces a
+    # pending sum over dp; gradients are reduced over dp in the backward
+    fwd_dp = [e.kind for e in ledger if e.phase == "forward" and e.mesh_axis == "dp"]
+    assert "all_gather" in fwd_dp and "all_reduce" not in fwd_dp
     assert any(e.phase == "backward" and e.mesh_axis == "dp" and
                e.kind in ("reduce_scatter", "all_reduce") for e in ledger)
+    # tensor parallelism on tp: Megatron's all_reduces of the hidden states
+    hidden = size.batch * size.seq * size.hidden * 4 // 2  # local: batch split over dp
+    assert sum(1 for e in ledger if e.phase == "forward" and e.mesh_axis == "tp"
+               and e.kind == "all_reduce" and e.bytes == hidden) == 2
     for p in model.parameters():
         assert p.grad.placements == p.placements
 

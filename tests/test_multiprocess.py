@@ -19,3 +19,10 @@ def test_every_redistribute_on_a_2x2_mesh():
     out = torchrun("redistribute_all.py", 4).stdout
     m = re.search(r"REDISTRIBUTE OK (\d+) pairs", out)
     assert m and int(m.group(1)) >= 60, out
+
+
+def test_four_rank_dp_tp_parity():
+    out = torchrun("train_parity.py", 4, "--model", "llama", "--mesh", "dp=2,tp=2",
+                   "--inductor", "0").stdout
+    m = re.search(r"max relative loss difference ([0-9.e+-]+)", out)
+    assert m and float(m.group(1)) <= 1e-4, out

@@ -162,8 +162,10 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
             return 0.0
         return _edge_cost(u, o, r, mesh_shape, params.get(u, ()))
 
+    bwd, data_idx = tangent_dependent(gm.graph), _data_idx(mesh, data_axes)
     ilp = ShardingILP(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
-                      grad_placements, constraint_of, edge_cost, base=base, free_axis=free_axis)
+                      grad_placements, constraint_of, edge_cost, base=base, free_axis=free_axis,
+                      keep=lambda n, sp: data_parallel_ok(n, sp, bwd, data_idx))
     sol = ilp.solve(time_limit)
     if sol is None:
         return None
@@ -229,13 +231,16 @@ class _Walk:
         self.origins = origins
         self.bwd = tangent_dependent(gm.graph)
         self.params = parameter_views(gm, origins, _priced_axes(mesh, data_axes))
+        self.data_idx = _data_idx(mesh, data_axes)
         self.strategies: dict[tuple, list[OpSpec]] = {}
 
     def _specs(self, node, current) -> list[OpSpec]:
         key = (node, tuple(current))
         if key not in self.strategies:
-            self.strategies[key] = op_strategy(node, current, self.mesh, self.mesh_shape,
-                                               self.constraint_of)
+            self.strategies[key] = [
+                sp for sp in op_strategy(node, current, self.mesh, self.mesh_shape,
+                                         self.constraint_of)
+                if data_parallel_ok(node, sp, self.bwd, self.data_idx)]
         return self.strategies[key]
 
     def run(self, hints: dict[fx.Node, set]) -> _WalkResult:
@@ -436,6 +441,22 @@ def _fallback_message(node: fx.Node, targs, current, edge: float) -> str:
     return (f"no sharding rule for {node.target} ({node.name}{', ' + where if where else ''}); "
             f"it runs replicated: inputs {' '.join(fmt(c) for c in current)} are gathered "
             f"({gathered} bytes global), cost {edge:.0f}")
+
+
+def _data_idx(mesh, data_axes: Sequence[str]) -> tuple[int, ...]:
+    names = mesh.mesh_dim_names or ()
+    return tuple(i for i, n in enumerate(names) if n in data_axes)
+
+
+def data_parallel_ok(node: fx.Node, spec: OpSpec, bwd: set, data_idx: tuple[int, ...]) -> bool:
+    """On a data axis the forward never holds a pending sum: data parallelism splits samples,
+    so forward values are split or replicated there, and Partial appears only for gradients
+    (which the backward reduces). Without this the cost model, at small batch, may use the data
+    axis as a second tensor-parallel axis (contractions split over it)."""
+    if not data_idx or node in bwd:
+        return True
+    outs = [spec.output] if _is_placements(spec.output) else [o for o in spec.output if o]
+    return not any(isinstance(pls[i], Partial) for pls in outs for i in data_idx)
 
 
 def _priced_axes(mesh, data_axes: Sequence[str]) -> tuple[int, ...]:

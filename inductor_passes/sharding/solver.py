@@ -77,7 +77,9 @@ class ShardingILP:
                  constraint_of: Callable[[fx.Node], Placements | None],
                  edge_cost: Callable[[fx.Node, Placements, Placements], float],
                  max_vars: int = 200_000, base: dict[str, OpSpec] | None = None,
-                 free_axis: int | None = None) -> None:
+                 free_axis: int | None = None,
+                 keep: Callable[[fx.Node, OpSpec], bool] | None = None) -> None:
+        self.keep = keep
         self.max_vars = max_vars
         # with ``base`` (an OpSpec per node name), only OpSpecs that agree with it on every mesh
         # axis but ``free_axis`` are offered: one block of a coordinate descent over mesh axes
@@ -101,6 +103,10 @@ class ShardingILP:
         self._enumerate()
 
     # -- OpStrategies ----------------------------------------------------------------------------
+    def strategy(self, node: fx.Node, current) -> list[OpSpec]:
+        specs = op_strategy(node, current, self.mesh, self.mesh_shape, self.constraint_of)
+        return [sp for sp in specs if self.keep is None or self.keep(node, sp)]
+
     def outputs_of(self, node: fx.Node) -> list:
         return list(dict.fromkeys(s.output for s in self.options[node]))
 
@@ -136,7 +142,7 @@ class ShardingILP:
             targs = tensor_args(node)
             choices = [self.outputs_of(a) for a in targs]
             first = [c[0] for c in choices]
-            specs = op_strategy(node, first, self.mesh, self.mesh_shape, self.constraint_of)
+            specs = self.strategy(node, first)
             if specs and specs[0].source.startswith("dtensor:"):
                 # DTensor's rules enumerate from the inputs' current placements: ask once per
                 # placement each input can take (others at their first), and take the union
@@ -144,8 +150,7 @@ class ShardingILP:
                     for o in opts[1:]:
                         cur = list(first)
                         cur[k] = o
-                        specs += op_strategy(node, cur, self.mesh, self.mesh_shape,
-                                             self.constraint_of)
+                        specs += self.strategy(node, cur)
             specs = list(dict.fromkeys(specs))
             if self.base is not None and node.name in self.base:
                 keep = self.base[node.name]
