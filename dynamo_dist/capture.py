@@ -186,7 +186,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
 def _check_functional(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            if node.target._schema.is_mutable and node.target is not torch.ops.aten.copy_.default:
+            if node.target._schema.is_mutable:
                 raise DistCompileError(
                     f"the traced program still mutates a tensor with {node.target} at {node.name}",
                     fix="avoid in-place updates of graph inputs inside the compiled region",

@@ -63,3 +63,17 @@ def test_tensors_on_different_meshes(fake_mesh):
     with pytest.raises(DistCompileError) as e:
         find_mesh(classify_inputs(G, [a, b]), [a, b])
     assert "different device meshes" in str(e.value) and "'a'" in str(e.value)
+
+
+def test_input_mutation_is_rejected(fake_mesh):
+    mesh = fake_mesh((2,), ("tp",))
+    m = shard_module(Tiny(), mesh, ShardingPlan(plan={"fc.weight": {"tp": Shard(0)}}))
+    m.register_buffer("steps", torch.zeros(()))
+
+    def step(x):
+        m.steps.add_(1)  # an in-place update of a graph input
+        return m(x)
+
+    with pytest.raises(Exception) as e:
+        torch.compile(step, backend="dist", options={"inductor": False})(torch.randn(2, 4))
+    assert "mutates" in str(e.value) and "fix:" in str(e.value)
