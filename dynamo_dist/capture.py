@@ -102,13 +102,13 @@ def find_mesh(infos: Sequence[InputInfo], example_inputs: Sequence[Any]) -> Devi
 
 def _global_fake(fake_mode, info: InputInfo, x: torch.Tensor) -> torch.Tensor:
     local = x.to_local() if isinstance(x, DTensor) else x
-    t = torch.empty_strided(info.shape, _contiguous_strides(info.shape), dtype=info.dtype,
+    t = torch.empty_strided(info.shape, contiguous_strides(info.shape), dtype=info.dtype,
                             device=local.device)
     t = fake_mode.from_tensor(t, static_shapes=True)
     return t.requires_grad_(info.requires_grad)
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, acc = [], 1
     for s in reversed(shape):
         strides.append(acc)

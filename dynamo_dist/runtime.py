@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from inductor_passes.compile import CompiledJoint
 from inductor_passes.sharding.placements import Placements
 
-from .capture import InputInfo
+from .capture import InputInfo, contiguous_strides
 
 
 class _DistFunction(torch.autograd.Function):
@@ -57,14 +57,17 @@ class DistStep:
         self.mesh = mesh
         self.input_placements = list(input_placements)
         self.output_placements = list(output_placements)
-        self.output_shapes = list(output_shapes)
+        self.output_shapes = [torch.Size(s) if s is not None else None for s in output_shapes]
+        self.output_strides = [contiguous_strides(s) if s is not None else None
+                               for s in output_shapes]
         self.diff_outputs = list(diff_outputs)
-        self.calls = 0
+        # per call: which inputs are tensors, and the placement the plan wants for each
+        self._tensor_inputs = list(zip([i for i in self.inputs if i.kind != "constant"],
+                                       self.input_placements))
 
     def __call__(self, *args):
         local = []
-        tensor_inputs = [i for i in self.inputs if i.kind != "constant"]
-        for info, want in zip(tensor_inputs, self.input_placements):
+        for info, want in self._tensor_inputs:
             x = args[info.index]
             if isinstance(x, DTensor):
                 if tuple(x.placements) != tuple(want):
@@ -72,19 +75,11 @@ class DistStep:
                 x = x.to_local()
             local.append(x)
         outs = _DistFunction.apply(self, *local)
-        self.calls += 1
         wrapped = []
-        for o, pl, shape in zip(outs, self.output_placements, self.output_shapes):
+        for o, pl, shape, stride in zip(outs, self.output_placements, self.output_shapes,
+                                        self.output_strides):
             if isinstance(o, torch.Tensor) and pl is not None:
-                o = DTensor.from_local(o, self.mesh, pl, run_check=False, shape=torch.Size(shape),
-                                       stride=_contiguous(shape))
+                o = DTensor.from_local(o, self.mesh, pl, run_check=False, shape=shape,
+                                       stride=stride)
             wrapped.append(o)
         return tuple(wrapped)
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))

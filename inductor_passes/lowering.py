@@ -23,7 +23,7 @@ from dynamo_dist.ledger import CollectiveEntry, CollectiveLedger
 from dynamo_dist.ops import MATMUL_ND
 
 from .redistribute import AxisGroup, mesh_axes, redistribute
-from .sharding.placements import Placements, fmt, local_shape
+from .sharding.placements import Placements, fmt, is_placements, local_shape
 from .sharding.propagate import Plan, replicate_source, tangent_dependent
 from .sharding.rules import GETITEM, tensor_args
 
@@ -40,10 +40,6 @@ SIZE_ARG = {
 # ops run differently on local shards: views may need a copy (a gathered or re-sliced shard can
 # have other strides than the global value had); our structure-keeping ops become plain torch.
 _LOCAL_IMPL = {aten.view.default: aten.reshape.default, MATMUL_ND: torch.matmul}
-
-
-def _is_placements(x) -> bool:
-    return isinstance(x, tuple) and (not x or hasattr(x[0], "is_shard"))
 
 
 def lower(gm: fx.GraphModule, plan: Plan, mesh,
@@ -110,7 +106,7 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh,
                 continue
             args, kwargs = pytree.tree_map_only(
                 fx.Node, lambda a: local_in[a] if a in local_in else env[a], (node.args, node.kwargs))
-            if node.target in SIZE_ARG and _is_placements(np.output):
+            if node.target in SIZE_ARG and is_placements(np.output):
                 idx = SIZE_ARG[node.target]
                 args = list(args)
                 args[idx] = list(local_shape(tuple(node.meta["val"].shape), np.output, mesh_shape))
@@ -147,7 +143,7 @@ def _check_local(node: fx.Node, out, placements, mesh_shape: Sequence[int], mesh
     val = node.meta["val"]
     vals = val if isinstance(val, (tuple, list)) else [val]
     outs = out if isinstance(out, (tuple, list)) else [out]
-    pls = placements if not _is_placements(placements) else [placements]
+    pls = placements if not is_placements(placements) else [placements]
     for v, o, p in zip(vals, outs, pls):
         if not isinstance(v, torch.Tensor) or p is None:
             continue

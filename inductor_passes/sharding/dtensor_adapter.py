@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 
 from dynamo_dist import _compat
 
-from .placements import Placements, normalize, valid_for
+from .placements import Placements, is_placements, normalize, valid_for
 from .rules import OpSpec, tensor_args
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def dtensor_strategy(node: fx.Node, current: Sequence[Placements], mesh,
         if out is None:
             continue
         if s.input_specs is None:
-            if not isinstance(out, tuple) or not out or not hasattr(out[0], "is_shard"):
+            if not is_placements(out) or not out:
                 continue
             ins = tuple(out for _ in targs)
         else:

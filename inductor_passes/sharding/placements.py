@@ -23,6 +23,16 @@ def replicate(ndim_mesh: int) -> Placements:
     return tuple(Replicate() for _ in range(ndim_mesh))
 
 
+def is_placements(x) -> bool:
+    """True for one value's placements (a tuple of Placement), False for a multi-output tuple."""
+    return isinstance(x, tuple) and (not x or hasattr(x[0], "is_shard"))
+
+
+def nonpartial(placements: Placements) -> Placements:
+    """The placements with every pending reduction done (Partial -> Replicate)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
 def is_plain(p: Placement) -> bool:
     """True for exactly Shard / Replicate / Partial(sum|avg|max|min)."""
     if type(p) is Shard or type(p) is Replicate:

@@ -19,10 +19,10 @@ from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.distributed.tensor.placement_types import Partial
 
 from .cost import MATMUL_OPS, compute_cost, redistribute_cost
-from .placements import Placements, fmt, nbytes, replicate
+from .placements import Placements, fmt, is_placements, nbytes, nonpartial, replicate
 from .rules import GETITEM, OpSpec, op_strategy, replicated_spec, tensor_args
 
 log = logging.getLogger("dynamo_dist.sharding")
@@ -59,17 +59,13 @@ class Plan:
         lines = [f"# plan over mesh {dict(zip(self.axis_names, self.mesh_shape))}"]
         for p in self.nodes.values():
             ins = " ".join(fmt(i) for i in p.inputs)
-            if p.output is None or _is_placements(p.output):
+            if p.output is None or is_placements(p.output):
                 out = fmt(p.output)
             else:
                 out = "(" + ", ".join(fmt(o) for o in p.output) + ")"
             lines.append(f"{p.name:<28} {p.op:<40} {ins:<30} -> {out:<14} "
                          f"[{p.source}; cost {p.cost:.0f}] {p.origin}")
         return "\n".join(lines)
-
-
-def _is_placements(x) -> bool:
-    return isinstance(x, tuple) and (not x or hasattr(x[0], "is_shard"))
 
 
 def tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
@@ -282,7 +278,7 @@ class _Walk:
             current = [env[a] for a in targs]
             if node.target is GETITEM:
                 src = env[node.args[0]]
-                out = src[node.args[1]] if isinstance(src, tuple) and not _is_placements(src) else src
+                out = src[node.args[1]] if isinstance(src, tuple) and not is_placements(src) else src
                 env[node] = out
                 nodes[node.name] = NodePlan(node.name, "getitem", (), out, "getitem", 0.0, 1)
                 return
@@ -307,7 +303,7 @@ class _Walk:
                 cost += (node in self.bwd) * _debt(node, spec.output, mesh_shape) - sum(
                     _debt(a, r, mesh_shape) for a, c, r in zip(targs, current, spec.inputs)
                     if r == c and _has_partial(r) and len(a.users) == 1)
-                if is_matmul and _is_placements(spec.output):
+                if is_matmul and is_placements(spec.output):
                     cost += compute_cost(str(node.target), tuple(node.meta["val"].shape),
                                          targs[0].meta["val"].shape[-1], spec.output, mesh_shape)
                 # ties: fewer new redistributes, then no pending reduction. (Preferring the more
@@ -334,7 +330,7 @@ class _Walk:
         final: list[Placements | None] = []
         for o in outs[:self.num_fwd_outputs]:
             if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
-                final.append(tuple(Replicate() if isinstance(p, Partial) else p for p in env[o]))
+                final.append(nonpartial(env[o]))
             else:
                 final.append(None)
         for node, j in zip(tangents, self.diff_outputs):
@@ -392,10 +388,10 @@ REINDEX_OPS = {"aten.permute.default", "aten.view.default", "aten.t.default",
 def replicate_source(a: fx.Node, req, env) -> fx.Node:
     """The node to redistribute when ``a`` must become ``req``: ``a`` itself, or, when ``req`` is
     fully Replicate and ``a`` is a re-index of another value, the first value up that chain."""
-    if not _is_placements(req) or any(not p.is_replicate() for p in req):
+    if not is_placements(req) or any(not p.is_replicate() for p in req):
         return a
     while a.op == "call_function" and str(a.target) in REINDEX_OPS and \
-            isinstance(a.args[0], fx.Node) and _is_placements(env.get(a.args[0])) and \
+            isinstance(a.args[0], fx.Node) and is_placements(env.get(a.args[0])) and \
             all(not isinstance(x, fx.Node) for x in a.args[1:]):
         a = a.args[0]
     return a
@@ -423,12 +419,12 @@ def parameter_views(gm: fx.GraphModule, origins, priced_axes: tuple[int, ...]
 def _debt(node: fx.Node, output, mesh_shape) -> float:
     """Cost of reducing every Partial axis of ``output`` to Replicate."""
     vals = node.meta["val"]
-    pairs = [(vals, output)] if _is_placements(output) else list(zip(vals, output))
+    pairs = [(vals, output)] if is_placements(output) else list(zip(vals, output))
     total = 0.0
     for v, pls in pairs:
         if pls is None or not isinstance(v, torch.Tensor) or not _has_partial(pls):
             continue
-        dst = tuple(Replicate() if isinstance(p, Partial) else p for p in pls)
+        dst = nonpartial(pls)
         total += redistribute_cost(tuple(v.shape), v.dtype, pls, dst, mesh_shape)
     return total
 
@@ -455,7 +451,7 @@ def data_parallel_ok(node: fx.Node, spec: OpSpec, bwd: set, data_idx: tuple[int,
     axis as a second tensor-parallel axis (contractions split over it)."""
     if not data_idx or node in bwd:
         return True
-    outs = [spec.output] if _is_placements(spec.output) else [o for o in spec.output if o]
+    outs = [spec.output] if is_placements(spec.output) else [o for o in spec.output if o]
     return not any(isinstance(pls[i], Partial) for pls in outs for i in data_idx)
 
 
@@ -465,7 +461,7 @@ def _priced_axes(mesh, data_axes: Sequence[str]) -> tuple[int, ...]:
 
 
 def _has_partial(output) -> bool:
-    outs = [output] if _is_placements(output) else [o for o in output if o]
+    outs = [output] if is_placements(output) else [o for o in output if o]
     return any(isinstance(p, Partial) for pls in outs for p in pls)
 
 

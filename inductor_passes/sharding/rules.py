@@ -27,13 +27,10 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dynamo_dist import _compat  # noqa: F401  (its Inductor imports register the prims ops)
 from dynamo_dist.ops import MATMUL_ND
 
-from .placements import Placements, valid_for
+from .placements import Placements, is_placements, valid_for
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-
-Output = "Placements | tuple[Placements | None, ...]"
-
 
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
@@ -236,8 +233,7 @@ def _partial_only_on_floats(node: fx.Node, spec: OpSpec) -> bool:
     """A pending sum of integers or booleans (indices, masks) is never what a program means."""
     vals = [(a.meta["val"], p) for a, p in zip(tensor_args(node), spec.inputs)]
     out = node.meta.get("val")
-    if isinstance(out, torch.Tensor) and hasattr(spec.output, "__len__") and \
-            all(hasattr(p, "is_shard") for p in spec.output):
+    if isinstance(out, torch.Tensor) and is_placements(spec.output):
         vals.append((out, spec.output))
     return all(v.is_floating_point() or not any(isinstance(p, Partial) for p in pls)
                for v, pls in vals)

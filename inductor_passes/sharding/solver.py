@@ -28,10 +28,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch.fx as fx
-from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from .cost import MATMUL_OPS, compute_cost
-from .placements import Placements, replicate
+from .placements import Placements, is_placements, nonpartial, replicate
 from .rules import GETITEM, OpSpec, op_strategy, replicated_spec, tensor_args
 
 log = logging.getLogger("dynamo_dist.sharding")
@@ -39,21 +38,13 @@ log = logging.getLogger("dynamo_dist.sharding")
 MAX_OPTIONS = 64
 
 
-def _nonpartial(p: Placements) -> Placements:
-    return tuple(Replicate() if isinstance(x, Partial) else x for x in p)
-
-
-def _is_placements(x) -> bool:
-    return isinstance(x, tuple) and (not x or hasattr(x[0], "is_shard"))
-
-
 def _agrees(spec: OpSpec, base: OpSpec, free_axis: int | None) -> bool:
     """Same placements as ``base`` on every mesh axis except ``free_axis``."""
     def same(a, b) -> bool:
         if a is None or b is None:
             return a is b
-        if _is_placements(a):
-            return _is_placements(b) and len(a) == len(b) and all(
+        if is_placements(a):
+            return is_placements(b) and len(a) == len(b) and all(
                 x == y for i, (x, y) in enumerate(zip(a, b)) if i != free_axis)
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
@@ -125,7 +116,7 @@ class ShardingILP:
             if node in tangent_src:
                 src = tangent_src[node]
                 outs = self.outputs_of(src)
-                self.options[node] = [OpSpec((), _nonpartial(o), "cotangent") for o in outs]
+                self.options[node] = [OpSpec((), nonpartial(o), "cotangent") for o in outs]
                 for j, o in enumerate(outs):
                     self.ties.append((node, j, src, o))
                 continue
@@ -134,7 +125,7 @@ class ShardingILP:
             if node.target is GETITEM:
                 src, idx = node.args[0], node.args[1]
                 outs = self.outputs_of(src)
-                self.options[node] = [OpSpec((), o[idx] if not _is_placements(o) else o, "getitem")
+                self.options[node] = [OpSpec((), o[idx] if not is_placements(o) else o, "getitem")
                                       for o in outs]
                 for j, o in enumerate(outs):
                     self.ties.append((node, j, src, o))
@@ -244,7 +235,7 @@ class ShardingILP:
             if str(n.target) in MATMUL_OPS:
                 k = tensor_args(n)[0].meta["val"].shape[-1]
                 for s, spec in enumerate(self.options[n]):
-                    if _is_placements(spec.output):
+                    if is_placements(spec.output):
                         cost[xi[(n, s)]] += compute_cost(str(n.target), tuple(n.meta["val"].shape),
                                                          k, spec.output, self.mesh_shape)
         for i, o in enumerate(self.outs):
@@ -283,6 +274,6 @@ class ShardingILP:
         """Required placement of graph output i, given what its producer produced."""
         ndim = len(self.mesh_shape)
         if i < self.num_fwd_outputs:
-            return _nonpartial(produced) if _is_placements(produced) else replicate(ndim)
+            return nonpartial(produced) if is_placements(produced) else replicate(ndim)
         g = self.grad_placements[i - self.num_fwd_outputs]
         return g if g is not None else replicate(ndim)
