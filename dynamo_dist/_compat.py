@@ -32,6 +32,7 @@ from torch.distributed.tensor._op_schema import (  # noqa: E402,F401
     OpSchema,
     OpSpec,
     OpStrategy,
+    OutputSharding,
     TupleStrategy,
 )
 
@@ -152,7 +153,12 @@ def install_dynamo_tracing_fallback() -> None:
         rep = OpSchema(op_schema.op, tuple(replicated(a) for a in op_schema.args_schema),
                        {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},
                        schema_info=op_schema.schema_info)
-        result = original(rep)
+        try:
+            result = original(rep)
+        except NotImplementedError:
+            # No DTensor strategy (e.g. aten._scaled_dot_product_flash_attention_for_cpu):
+            # Dynamo only needs global metadata, which the op on replicated fakes gives.
+            result = OutputSharding(_replicated_output_specs(prop, rep))
         if rep.args_spec != op_schema.args_spec or result.redistribute_schema is not None:
             result.redistribute_schema = result.redistribute_schema or rep
             result.needs_redistribute = True
@@ -160,3 +166,17 @@ def install_dynamo_tracing_fallback() -> None:
 
     prop.propagate_op_sharding_non_cached = propagate
     prop._dynamo_dist_fallback = True
+
+
+def _replicated_output_specs(prop, op_schema):
+    """Replicated DTensorSpecs for an op's outputs, metadata from running it on fakes."""
+    from torch.distributed.tensor.placement_types import Replicate
+
+    mesh = next(s.mesh for s in op_schema.args_spec)
+    reps = tuple(Replicate() for _ in range(mesh.ndim))
+    meta = prop._propagate_tensor_meta_non_cached(op_schema)
+    if isinstance(meta, TensorMeta):
+        return DTensorSpec(mesh, reps, tensor_meta=meta)
+    if isinstance(meta, (tuple, list)):
+        return tuple(None if m is None else DTensorSpec(mesh, reps, tensor_meta=m) for m in meta)
+    return None

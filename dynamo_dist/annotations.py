@@ -22,12 +22,22 @@ from inductor_passes.sharding.placements import Placements, fmt, normalize, pars
 _MESHES: "weakref.WeakValueDictionary[str, DeviceMesh]" = weakref.WeakValueDictionary()
 
 
+_KEYS: "weakref.WeakKeyDictionary[DeviceMesh, str]" = weakref.WeakKeyDictionary()
+
+
 @_compat.assume_constant_result
 def mesh_key(mesh: DeviceMesh) -> str:
-    """A stable name for a mesh: axis names, shape and the ranks it spans."""
-    names = ",".join(mesh.mesh_dim_names or ())
-    ranks = mesh.mesh.flatten().tolist()
-    key = f"{names}/{'x'.join(map(str, mesh.shape))}/{ranks[0]}-{ranks[-1]}:{len(ranks)}"
+    """A stable name for a mesh: axis names, shape and the ranks it spans.
+
+    Cached per mesh: the first call reads the rank tensor, which must not happen under a fake
+    or tracing mode (the backend's capture asks again while tracing).
+    """
+    key = _KEYS.get(mesh)
+    if key is None:
+        names = ",".join(mesh.mesh_dim_names or ())
+        ranks = mesh.mesh.flatten().tolist()
+        key = f"{names}/{'x'.join(map(str, mesh.shape))}/{ranks[0]}-{ranks[-1]}:{len(ranks)}"
+        _KEYS[mesh] = key
     _MESHES[key] = mesh
     return key
 

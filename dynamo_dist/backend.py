@@ -25,6 +25,7 @@ from inductor_passes.sharding.placements import Placements, replicate
 from inductor_passes.sharding.propagate import Plan, propagate
 
 from . import _compat
+from .agreement import plan_once
 from .annotations import CONSTRAINT_OP, data_axes, decode_spec, mesh_from_key
 from .capture import JointProgram, trace_joint
 from .errors import DistCompileError
@@ -135,9 +136,9 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     pinned = {node: pl for node, (_, pl) in constraints.items()}
 
     t = time.perf_counter()
-    plan = propagate(program.graph_module, mesh, primal_pl, program.num_fwd_outputs,
-                     program.diff_outputs, grad_pl, pinned.get, origins,
-                     data_axes=data_axes(mesh))
+    plan = plan_once(mesh, lambda: propagate(
+        program.graph_module, mesh, primal_pl, program.num_fwd_outputs, program.diff_outputs,
+        grad_pl, pinned.get, origins, data_axes=data_axes(mesh)))
     seconds["plan"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -165,6 +166,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
         else:
             shapes.append(None)
             placements.append(None)
+    for i in program.local_outputs:  # to_local()/full_tensor() outputs: plain local tensors
+        placements[i] = None
     step = DistStep(program.inputs, joint, mesh, primal_pl, placements, shapes,
                     program.diff_outputs if has_bwd else [])
     _RECORDS.append(CompileRecord(plan, ledger, seconds, program, step))

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
 from . import _compat
-from .errors import DistCompileError
+from .errors import DistCompileError, user_source
 from .ops import matmul_nd, wants_matmul_nd
 
 
@@ -51,7 +51,9 @@ class JointProgram:
 
     ``primal_inputs[i]`` is the InputInfo behind placeholder ``primals_{i+1}``;
     ``num_fwd_outputs`` outputs come first, then one gradient (or None) per primal;
-    ``diff_outputs[j]`` is the forward output index that tangent ``tangents_{j+1}`` belongs to.
+    ``diff_outputs[j]`` is the forward output index that tangent ``tangents_{j+1}`` belongs to;
+    ``local_outputs``: forward outputs the program turned into local tensors (``to_local`` /
+    ``full_tensor``), which the runtime returns as plain tensors, not DTensors.
     """
 
     graph_module: fx.GraphModule
@@ -61,6 +63,7 @@ class JointProgram:
     diff_outputs: list[int]
     out_spec: Any
     mesh: DeviceMesh | None
+    local_outputs: list[int] = dataclasses.field(default_factory=list)  # returned as plain tensors
 
 
 def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[InputInfo]:
@@ -117,12 +120,60 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 class _GlobalInterpreter(fx.Interpreter):
-    """Runs the Dynamo graph on plain global tensors, swapping in structure-keeping ops."""
+    """Runs the Dynamo graph on plain global tensors, swapping in structure-keeping ops.
+
+    DTensor calls in the program are read in global semantics: ``redistribute`` pins a
+    placement (a sharding constraint), ``full_tensor`` pins Replicate, and both ``full_tensor``
+    and ``to_local`` at a graph output make that output a plain tensor (``local_outputs``).
+    """
+
+    def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh | None) -> None:
+        super().__init__(gm)
+        self.mesh = mesh
+        self.local_outputs: set[str] = set()
+        self._node: fx.Node | None = None
+
+    def run_node(self, n: fx.Node):
+        self._node = n
+        return super().run_node(n)
 
     def call_function(self, target, args, kwargs):
         if target is torch.matmul and not kwargs and wants_matmul_nd(*args):
             return matmul_nd(*args)
         return super().call_function(target, args, kwargs)
+
+    def call_method(self, target, args, kwargs):
+        if target in ("redistribute", "full_tensor", "to_local") and args and \
+                isinstance(args[0], torch.Tensor):
+            return self._dtensor_call(target, args, kwargs)
+        return super().call_method(target, args, kwargs)
+
+    def _dtensor_call(self, target, args, kwargs):
+        from .annotations import with_sharding_constraint
+
+        node, x = self._node, args[0]
+        if target == "redistribute":
+            mesh = args[1] if len(args) > 1 else kwargs.get("device_mesh")
+            placements = args[2] if len(args) > 2 else kwargs.get("placements")
+            mesh = mesh if isinstance(mesh, DeviceMesh) else self.mesh
+            if placements is None or mesh is None:
+                return x
+            return with_sharding_constraint(x, mesh, placements)
+        only_output = all(u.op == "output" for u in node.users)
+        if target == "to_local" and not only_output:
+            raise DistCompileError(
+                f"DTensor.to_local() at {node.name} feeds more computation inside the compiled "
+                f"region; code on local shards is not compiled by the dist backend yet",
+                source=user_source(node),
+                fix="call to_local() on values the compiled function returns, or move the "
+                    "local code outside the compiled region")
+        if only_output:
+            self.local_outputs.add(node.name)
+        if target == "full_tensor" and self.mesh is not None:
+            from torch.distributed.tensor.placement_types import Replicate
+
+            return with_sharding_constraint(x, self.mesh, [Replicate()] * self.mesh.ndim)
+        return x
 
 
 def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgram:
@@ -133,17 +184,26 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
     """
     infos = classify_inputs(gm, example_inputs)
     mesh = find_mesh(infos, example_inputs)
+    if mesh is not None:
+        from .annotations import mesh_key
+
+        mesh_key(mesh)  # cached now: read under fake mode it would be data-dependent
     fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
     tensor_infos = [i for i in infos if i.kind != "constant"]
     with fake_mode:
         primals = [_global_fake(fake_mode, i, example_inputs[i.index]) for i in tensor_infos]
 
+    local_outputs: set[str] = set()
+
     def run_forward(*tensors):
         args = list(example_inputs)
         for info, t in zip(tensor_infos, tensors):
             args[info.index] = t
+        interp = _GlobalInterpreter(gm, mesh)
         with torch.fx.traceback.preserve_node_meta():
-            return _GlobalInterpreter(gm).run(*args)
+            out = interp.run(*args)
+        local_outputs.update(interp.local_outputs)
+        return out
 
     # Forward once on fakes to learn which outputs are differentiable.
     with fake_mode, torch.enable_grad():
@@ -180,7 +240,10 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
     _check_functional(joint_gm)
     joint_gm.graph.eliminate_dead_code()
     joint_gm.recompile()
-    return JointProgram(joint_gm, infos, tensor_infos, len(flat_outs), diff_outputs, out_spec, mesh)
+    out_args = pytree.tree_leaves(next(iter(gm.graph.find_nodes(op="output"))).args[0])
+    local = [i for i, a in enumerate(out_args) if isinstance(a, fx.Node) and a.name in local_outputs]
+    return JointProgram(joint_gm, infos, tensor_infos, len(flat_outs), diff_outputs, out_spec, mesh,
+                        local)
 
 
 def _check_functional(gm: fx.GraphModule) -> None:

@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
                     help="shard parameters over the dp axis (default) or replicate them (DDP)")
-    ap.add_argument("--attn", choices=["sdpa", "eager"], default="eager",
-                    help="attention implementation of the Llama (sdpa: not supported yet)")
+    ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
+                    help="the Llama's attention: transformers' default (sdpa: the fused kernel) "
+                         "or eager (matmul + softmax)")
     ap.add_argument("--tol", type=float, default=1e-4, help="relative fp32 tolerance")
     ap.add_argument("--no-inductor", action="store_true", help="run the local graphs as FX graphs")
     args = ap.parse_args(argv)

@@ -28,12 +28,11 @@ class LlamaSize:
             raise ValueError(f"heads {self.heads} must be a multiple of kv_heads {self.kv_heads}")
 
 
-def build_llama(size: LlamaSize, seed: int = 0, attn: str = "eager") -> nn.Module:
+def build_llama(size: LlamaSize, seed: int = 0, attn: str = "sdpa") -> nn.Module:
     """transformers' LlamaForCausalLM with random weights (fixed seed), fp32.
 
-    ``attn`` defaults to HF's "eager" attention (matmul + softmax). With "sdpa", Dynamo's own
-    trace of the DTensor program fails inside DTensor's SDPA dispatch (a view of the causal mask
-    with local shapes), before our backend is reached.
+    ``attn``: transformers' attention implementation, "sdpa" (its default:
+    ``F.scaled_dot_product_attention``) or "eager" (matmul + softmax).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -100,6 +100,13 @@ class ShardingPlan:
                   matching pattern wins; unmatched parameters are replicated.
     input_plan:   forward argument (position or keyword name) -> placement spec; a sharding
                   constraint on that input (the value passed is the GLOBAL tensor).
+    output_plan:  forward output -> placement spec: the output (a DTensor of GLOBAL shape) is
+                  redistributed to it inside the compiled program. Keys: a position in a
+                  returned tuple/list (0 for a single tensor), or a key of a returned dict or
+                  transformers ``ModelOutput`` (``"logits"``).
+    return_local_tensor: True (every DTensor output) or the keys of the outputs to return as
+                  this rank's LOCAL tensor (``DTensor.to_local()``: local shape) rather than as
+                  a DTensor; with ``output_plan`` the local shard is the one that plan names.
     data_axes:    mesh axes that carry data parallelism: the compiler gathers parameters there
                   at use without a memory price (ZeRO-3 / FSDP), and keeps them sharded on the
                   other axes.
@@ -107,6 +114,8 @@ class ShardingPlan:
 
     plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     input_plan: Mapping[int | str, Any] = dataclasses.field(default_factory=dict)
+    output_plan: Mapping[int | str, Any] = dataclasses.field(default_factory=dict)
+    return_local_tensor: bool | tuple[int | str, ...] = False
     data_axes: tuple[str, ...] = ()
 
     def placement_for(self, fqn: str) -> Any | None:
@@ -123,7 +132,14 @@ class ShardingPlan:
             a, b = self.plan.get(k), other.plan.get(k)
             plan[k] = {**a, **b} if isinstance(a, Mapping) and isinstance(b, Mapping) else \
                 (b if b is not None else a)
+        local = self.return_local_tensor, other.return_local_tensor
+        if True in local:
+            local_keys: bool | tuple = True
+        else:
+            local_keys = tuple(dict.fromkeys((local[0] or ()) + (local[1] or ()))) or False
         return ShardingPlan(plan=plan, input_plan={**self.input_plan, **other.input_plan},
+                            output_plan={**self.output_plan, **other.output_plan},
+                            return_local_tensor=local_keys,
                             data_axes=tuple(dict.fromkeys(self.data_axes + other.data_axes)))
 
 
@@ -258,11 +274,10 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
             dt = distribute_tensor(param.detach(), mesh, list(placements))
         setattr(owner, leaf, nn.Parameter(dt, requires_grad=param.requires_grad))
 
-    if plan.input_plan:
-        # A wrapper around forward, not a forward pre-hook: with a hook Dynamo compiles the hook
-        # and the forward as two graphs.
-        specs = dict(plan.input_plan)
-        inner = model.forward
+    if plan.input_plan or plan.output_plan or plan.return_local_tensor:
+        # A wrapper around forward, not forward hooks: with hooks Dynamo compiles the hook and
+        # the forward as separate graphs.
+        specs, inner = dict(plan.input_plan), model.forward
 
         def constrain(key, a):
             if key in specs and isinstance(a, torch.Tensor) and not isinstance(a, DTensor):
@@ -274,9 +289,34 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
         def forward(*args, **kwargs):
             args = tuple(constrain(i, a) for i, a in enumerate(args))
             kwargs = {k: constrain(k, a) for k, a in kwargs.items()}
-            return inner(*args, **kwargs)
+            return _apply_output_plan(inner(*args, **kwargs), mesh, plan)
 
         model.forward = forward
     register_data_axes(mesh, plan.data_axes)
     model._dynamo_dist_plan = plan  # read by tools (explain); not used by the compiler
     return model
+
+
+def _apply_output_plan(out: Any, mesh: DeviceMesh, plan: ShardingPlan) -> Any:
+    """Redistribute the forward's outputs named in ``plan.output_plan`` and turn those named by
+    ``plan.return_local_tensor`` into local tensors. Inside a compiled region both calls trace
+    as DTensor methods, which the backend reads as constraints (see capture)."""
+    def finish(key, v):
+        if not isinstance(v, DTensor):
+            return v
+        if key in plan.output_plan:
+            pls = to_placements(plan.output_plan[key], mesh, v.ndim, f"output {key!r}")
+            validate_placements(f"output {key!r}", tuple(v.shape), mesh, pls)
+            v = v.redistribute(mesh, pls)
+        local = plan.return_local_tensor
+        if local is True or (local and key in local):
+            v = v.to_local()
+        return v
+
+    if isinstance(out, Mapping):  # dicts and transformers' ModelOutput (an OrderedDict)
+        for key in list(out.keys()):
+            out[key] = finish(key, out[key])
+        return out
+    if isinstance(out, (tuple, list)):
+        return type(out)(finish(i, v) for i, v in enumerate(out))
+    return finish(0, out)

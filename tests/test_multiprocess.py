@@ -7,10 +7,13 @@ import pytest
 from conftest import torchrun
 
 
-@pytest.mark.parametrize("model,inductor", [("mlp", "1"), ("llama", "0")])
-def test_two_rank_tp_parity(model, inductor):
+@pytest.mark.parametrize("model,inductor,extra", [("mlp", "1", ()),
+                                                  ("llama", "0", ("--local-logits",))])
+def test_two_rank_tp_parity(model, inductor, extra):
+    """The Llama run also checks output_plan + return_local_tensor: logits come back as this
+    rank's vocabulary shard, a plain tensor equal to that slice of one process's logits."""
     out = torchrun("train_parity.py", 2, "--model", model, "--mesh", "tp=2",
-                   "--inductor", inductor).stdout
+                   "--inductor", inductor, *extra).stdout
     m = re.search(r"max relative loss difference ([0-9.e+-]+)", out)
     assert m and float(m.group(1)) <= 1e-4, out
 

@@ -69,3 +69,42 @@ def test_two_axis_expansion_filters_uneven():
         for p, axis in zip(out, range(2)):
             if isinstance(p, Shard):
                 assert (4, 6)[p.dim] % (2, 4)[axis] == 0
+
+
+def test_attention_splits_batch_or_heads_and_keeps_a_broadcast_mask_whole():
+    aten = torch.ops.aten
+    fwd_op = aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    def attn(q, k, v, mask):
+        return fwd_op(q, k, v, 0.0, False, attn_mask=mask)[0]
+
+    q = (2, 4, 8, 16)
+    node = _node(attn, q, q, q, (2, 1, 8, 8), target=fwd_op)
+    specs = _specs(node)
+    S0, S1, R = (Shard(0),), (Shard(1),), (Replicate(),)
+    assert ((S0, S0, S0, S0), (S0, S0)) in specs          # batch: the mask splits too
+    assert ((S1, S1, S1, R), (S1, S1)) in specs           # heads: the mask's H is broadcast
+    assert all(ins[0] != (Shard(2),) for ins, _ in specs)  # never the sequence
+    assert all(not isinstance(p, Partial) for ins, outs in specs for pl in (*ins, *outs) for p in pl)
+
+    def with_dropout(q, k, v):
+        return fwd_op(q, k, v, 0.1, False)[0]
+
+    node = _node(with_dropout, q, q, q, target=fwd_op)
+    assert rules.attention_strategy(node, (2,)) == []  # replicated (and logged) instead
+
+
+def test_attention_backward_splits_every_gradient_with_its_operands():
+    aten = torch.ops.aten
+    bwd_op = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    fwd_op = aten._scaled_dot_product_flash_attention_for_cpu.default
+
+    def attn_grad(q, k, v, g):
+        out, lse = fwd_op(q, k, v, 0.0, True)
+        return bwd_op(g, q, k, v, out, lse, 0.0, True)
+
+    q = (2, 4, 8, 16)
+    node = _node(attn_grad, q, q, q, q, target=bwd_op)
+    specs = _specs(node, mesh_shape=(2, 2))
+    S01 = (Shard(0), Shard(1))
+    assert ((S01,) * 6, (S01,) * 3) in specs  # batch on one mesh axis, heads on the other

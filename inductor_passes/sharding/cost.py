@@ -22,12 +22,13 @@ RESLICE_COST = 1.0
 
 
 def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements,
-                      mesh_shape: Sequence[int]) -> float:
+                      mesh_shape: Sequence[int], greedy: bool = False) -> float:
     """Estimated cost of moving a value of GLOBAL ``shape`` from ``src`` to ``dst`` placements.
 
     Axes are costed one at a time from the current placements (the order lowering uses: reduce or
     gather from the last axis to the first, then re-slice); the buffer each step moves is the
-    local size at that step.
+    local size at that step. ``greedy``: price a reduce_scatter as the all_reduce it turns into
+    for a one-pass walk (see below); the ILP sees the later all_gather itself and does not need it.
     """
     if src == dst:
         return 0.0
@@ -45,7 +46,10 @@ def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements,
             # A reduce_scatter moves half an all_reduce's bytes, but a greedy walk that takes it
             # for that reason pays the other half (an all_gather) at the next replicated
             # consumer, plus a latency. Priced as reduce_scatter + that all_gather.
-            cost += 2 * LATENCY_BYTES + 2 * local * (n - 1) / n
+            if greedy:
+                cost += 2 * LATENCY_BYTES + 2 * local * (n - 1) / n
+            else:
+                cost += LATENCY_BYTES + local * (n - 1) / n
             cur[axis] = d
         elif isinstance(s, Partial):
             cost += LATENCY_BYTES + 2 * local * (n - 1) / n
@@ -59,10 +63,12 @@ def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements,
     return cost
 
 
-# Compute, priced in the same unit: one byte on the wire ~ 100 flops (a CPU/gloo or GPU/NVLink
-# machine balance is 50-400 flop per byte). Without this term the cheapest plan by bytes alone
-# often gathers a weight and repeats the full matmul on every rank, undoing tensor parallelism.
-BYTES_PER_FLOP = 1.0 / 100
+# Compute, priced in the same unit: one byte on the wire ~ 1000 flops, a GPU machine's balance
+# (H100: ~1e15 flop/s against ~4.5e11 B/s of NVLink per direction is ~2000). The term keeps the
+# solver from gathering a weight and repeating the whole matmul on every rank; at this weight it
+# no longer buys a small compute split with extra collectives (splitting the lm_head over the
+# batch on a tensor-parallel axis saved flops but cost four collectives a step at 100).
+BYTES_PER_FLOP = 1.0 / 1000
 
 MATMUL_OPS = ("aten.mm.default", "aten.bmm.default", "dynamo_dist.matmul_nd.default",
                "aten.addmm.default", "aten.baddbmm.default")

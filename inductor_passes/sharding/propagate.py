@@ -110,26 +110,30 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
         plan = _solve_ilp(*args, time_limit)
         if plan is not None:
             return plan
-    walker = _Walk(*args)
-    best = walker.run({})
-    for _ in range(rounds - 1):
-        trial = walker.run(best.paid)
-        if trial.total >= best.total:
-            break
-        best = trial
     ndim = len(mesh.shape)
-    plan = Plan(tuple(mesh.shape),
-                tuple(mesh.mesh_dim_names or [f"axis{i}" for i in range(ndim)]),
-                best.nodes, best.fallbacks, best.total)
+    start = _separable_start(*args, time_limit) if method == "ilp" and ndim > 1 else None
+    if start is not None:
+        plan = start
+    else:
+        walker = _Walk(*args)
+        best = walker.run({})
+        for _ in range(rounds - 1):
+            trial = walker.run(best.paid)
+            if trial.total >= best.total:
+                break
+            best = trial
+        plan = Plan(tuple(mesh.shape),
+                    tuple(mesh.mesh_dim_names or [f"axis{i}" for i in range(ndim)]),
+                    best.nodes, best.fallbacks, best.total)
     if method == "ilp" and ndim > 1:
-        # The whole 2-D problem is too large; improve the greedy plan one mesh axis at a time
+        # The whole 2-D problem is too large; improve the start plan one mesh axis at a time
         # (block coordinate descent: each ILP keeps the other axes as they are, so its optimum
         # is never worse than the plan it starts from).
         def as_base(p: Plan) -> dict[str, OpSpec]:
             return {name: OpSpec(n.inputs, n.output, n.source)
                     for name, n in p.nodes.items() if n.op != "output"}
 
-        # the greedy plan priced by the ILP's cost model (no axis free: one option per node)
+        # the start plan priced by the ILP's cost model (no axis free: one option per node)
         priced = _solve_ilp(*args, time_limit, base=as_base(plan), free_axis=-1)
         if priced is not None:
             plan.total_cost = priced.total_cost
@@ -145,18 +149,62 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
     return plan
 
 
+def _separable_start(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
+                     constraint_of, origins, data_axes, time_limit) -> Plan | None:
+    """A start for an N-D mesh: one 1-D ILP per mesh axis (each sees only its own axis of every
+    pinned placement: FSDP on a data axis, Megatron on a tensor-parallel one), combined per node.
+
+    The axes interact only where both split one tensor dim or a value's size, so the product of
+    the per-axis optima is close to the joint optimum; the coordinate descent that follows
+    repairs the nodes where the two choices clash. Returns None when the mesh has no axis names.
+    """
+    names = mesh.mesh_dim_names
+    if not names:
+        return None
+    per_axis: list[Plan] = []
+    for axis, name in enumerate(names):
+        def project(pls, axis=axis):
+            return None if pls is None else (pls[axis],)
+
+        sub = _solve_ilp(gm, mesh[name], [project(p) for p in primal_placements],
+                         num_fwd_outputs, diff_outputs, [project(g) for g in grad_placements],
+                         lambda n, c=constraint_of, pr=project: pr(c(n)), origins,
+                         tuple(a for a in data_axes if a == name), time_limit)
+        if sub is None:
+            return None
+        per_axis.append(sub)
+
+    def combine(parts):
+        if parts[0] is None:
+            return None
+        if is_placements(parts[0]):
+            return tuple(p[0] for p in parts)
+        return tuple(combine(list(elems)) for elems in zip(*parts))
+
+    nodes = {}
+    for name, first in per_axis[0].nodes.items():
+        others = [p.nodes[name] for p in per_axis]
+        ins = tuple(combine([o.inputs[i] for o in others]) for i in range(len(first.inputs)))
+        nodes[name] = dataclasses.replace(first, inputs=ins,
+                                          output=combine([o.output for o in others]),
+                                          origin="solver (per-axis start)")
+    return Plan(tuple(mesh.shape), tuple(names), nodes,
+                sorted({f for p in per_axis for f in p.fallbacks}),
+                sum(p.total_cost for p in per_axis))
+
+
 def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
                constraint_of, origins, data_axes, time_limit, base=None,
                free_axis=None) -> Plan | None:
     from .solver import ShardingILP
 
     mesh_shape = tuple(mesh.shape)
-    params = parameter_views(gm, origins, _priced_axes(mesh, data_axes))
+    price = EdgePricer(gm, mesh, origins, data_axes)
 
     def edge_cost(u, o, r) -> float:
         if o == r:
             return 0.0
-        return _edge_cost(u, o, r, mesh_shape, params.get(u, ()))
+        return price(u, o, r)
 
     bwd, data_idx = tangent_dependent(gm.graph), _data_idx(mesh, data_axes)
     ilp = ShardingILP(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
@@ -181,7 +229,7 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
         if spec is None:
             continue
         targs = tensor_args(node) if node.op == "call_function" else []
-        edge = sum(_edge_cost(a, env[a], r, mesh_shape, params.get(a, ()))
+        edge = sum(price(a, env[a], r)
                    for a, r in zip(targs, spec.inputs) if env[a] != r)
         origin = f"solver (1 of {sol.counts[node]})"
         if spec.source == "fallback":
@@ -197,7 +245,7 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
             continue
         want = ilp.want(i, env[o])
         out_inputs.append(want)
-        out_cost += _edge_cost(o, env[o], want, mesh_shape, params.get(o, ())) if env[o] != want else 0.0
+        out_cost += price(o, env[o], want) if env[o] != want else 0.0
     nodes[ilp.output.name] = NodePlan(
         ilp.output.name, "output", tuple(out_inputs), None, "output", out_cost, 1,
         "forward outputs non-Partial; gradients in their parameter's placement")
@@ -226,7 +274,7 @@ class _Walk:
         self.constraint_of = constraint_of
         self.origins = origins
         self.bwd = tangent_dependent(gm.graph)
-        self.params = parameter_views(gm, origins, _priced_axes(mesh, data_axes))
+        self.price = EdgePricer(gm, mesh, origins, data_axes, greedy=True)
         self.data_idx = _data_idx(mesh, data_axes)
         self.strategies: dict[tuple, list[OpSpec]] = {}
 
@@ -263,7 +311,7 @@ class _Walk:
             if req == env[a] or req in paid.get(a, ()):
                 return 0.0
             paid.setdefault(a, set()).add(req)
-            return _edge_cost(a, env[a], req, mesh_shape, self.params.get(a, ()))
+            return self.price(a, env[a], req)
 
         for k, (node, pl) in enumerate(zip(primals, self.primal_placements)):
             env[node] = pl
@@ -293,7 +341,7 @@ class _Walk:
                 srcs = [replicate_source(a, r, env) for a, r in zip(targs, spec.inputs)]
                 have = [r == env[a] or r in available.get(a, ()) or r in hints.get(a, ())
                         for a, r in zip(srcs, spec.inputs)]
-                cost = sum(0.0 if h else _edge_cost(a, env[a], r, mesh_shape, self.params.get(a, ()))
+                cost = sum(0.0 if h else self.price(a, env[a], r)
                            for a, r, h in zip(srcs, spec.inputs, have))
                 # A Partial value is a debt: someone pays its reduction later. Charge the debt
                 # an OpSpec creates and credit the debt it takes over from a Partial input
@@ -364,15 +412,37 @@ class _Walk:
 PARAM_GATHER_FACTOR = 3.0
 
 
-def _edge_cost(node: fx.Node, cur, req, mesh_shape, priced_axes: tuple[int, ...] = ()) -> float:
-    """Redistribute cost; ``priced_axes``: mesh axes on which gathering this value (a parameter)
-    also costs memory (every axis but the data-parallel ones, where gathering parameters at use
-    is the plan: ZeRO-3 / FSDP)."""
-    val = node.meta["val"]
-    cost = redistribute_cost(tuple(val.shape), val.dtype, cur, req, mesh_shape)
-    if any(cur[i].is_shard() and not req[i].is_shard() for i in priced_axes):
-        cost *= PARAM_GATHER_FACTOR
-    return cost
+# A data axis is the user's statement that samples are split there (DataParallelPlanner): in
+# DDP/FSDP only parameters, gradients and the loss cross it. Moving any other value off a Shard
+# on it (gathering the batch) is priced so high that it is in effect forbidden (a soft
+# constraint keeps the ILP feasible): otherwise, at small batch, the cost model prefers to gather
+# the token ids and repeat the whole step on every data-parallel rank, which moves fewer bytes
+# than reducing gradients but is not data parallelism.
+DATA_AXIS_ACTIVATION_FACTOR = 1e4
+
+
+class EdgePricer:
+    """Cost of one redistribute of a joint-graph value (bytes-equivalent): ``cost.redistribute_cost``
+    x PARAM_GATHER_FACTOR when a parameter is gathered on a non-data axis (its memory), or x
+    DATA_AXIS_ACTIVATION_FACTOR when any other value leaves a Shard on a data axis."""
+
+    def __init__(self, gm: fx.GraphModule, mesh, origins, data_axes: Sequence[str],
+                 greedy: bool = False) -> None:
+        self.mesh_shape, self.greedy = tuple(mesh.shape), greedy
+        self.params = parameter_views(gm, origins, _priced_axes(mesh, data_axes))
+        self.data_idx = _data_idx(mesh, data_axes)
+
+    def __call__(self, node: fx.Node, cur, req) -> float:
+        val = node.meta["val"]
+        cost = redistribute_cost(tuple(val.shape), val.dtype, cur, req, self.mesh_shape,
+                                 self.greedy)
+        priced = self.params.get(node)
+        if priced is not None:
+            if any(cur[i].is_shard() and not req[i].is_shard() for i in priced):
+                cost *= PARAM_GATHER_FACTOR
+        elif any(cur[i].is_shard() and cur[i] != req[i] for i in self.data_idx):
+            cost *= DATA_AXIS_ACTIVATION_FACTOR
+        return cost
 
 
 # Ops that only re-index their one tensor input. A Replicate copy of their output is the op
@@ -445,12 +515,15 @@ def _data_idx(mesh, data_axes: Sequence[str]) -> tuple[int, ...]:
 
 
 def data_parallel_ok(node: fx.Node, spec: OpSpec, bwd: set, data_idx: tuple[int, ...]) -> bool:
-    """On a data axis the forward never holds a pending sum: data parallelism splits samples,
-    so forward values are split or replicated there, and Partial appears only for gradients
-    (which the backward reduces). Without this the cost model, at small batch, may use the data
+    """On a data axis the forward never holds a pending sum (but for a scalar: the loss): data
+    parallelism splits samples, so forward values are split or replicated there, and Partial
+    appears only for gradients (which the backward reduces). Without this the cost model, at small batch, may use the data
     axis as a second tensor-parallel axis (contractions split over it)."""
     if not data_idx or node in bwd:
         return True
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.numel() == 1:
+        return True  # a scalar (the loss): one small all_reduce, as DDP reduces it
     outs = [spec.output] if is_placements(spec.output) else [o for o in spec.output if o]
     return not any(isinstance(pls[i], Partial) for pls in outs for i in data_idx)
 

@@ -61,14 +61,22 @@ AxisOption = tuple[tuple[Placement, ...], Placement]  # (per tensor arg, output)
 def expand_to_mesh(options: Sequence[AxisOption], mesh_shape: Sequence[int], in_shapes, out_shape,
                    source: str) -> list[OpSpec]:
     """Cartesian product of one-axis options over the mesh axes, keeping only valid placements."""
+    multi = [((ins, (out,))) for ins, out in options]
+    return [OpSpec(s.inputs, s.output[0], source)
+            for s in expand_multi_output(multi, mesh_shape, in_shapes, [out_shape], source)]
+
+
+def expand_multi_output(options, mesh_shape: Sequence[int], in_shapes, out_shapes,
+                        source: str) -> list[OpSpec]:
+    """``expand_to_mesh`` for ops with several tensor outputs: each option is
+    (per tensor arg, per output) on one axis; OpSpec.output is a tuple of Placements."""
     specs = []
     for combo in itertools.product(options, repeat=len(mesh_shape)):
         ins = tuple(tuple(opt[0][i] for opt in combo) for i in range(len(in_shapes)))
-        out = tuple(opt[1] for opt in combo)
-        if not valid_for(out_shape, out, mesh_shape):
-            continue
-        if all(valid_for(s, p, mesh_shape) for s, p in zip(in_shapes, ins)):
-            specs.append(OpSpec(ins, out, source))
+        outs = tuple(tuple(opt[1][j] for opt in combo) for j in range(len(out_shapes)))
+        if all(valid_for(s, p, mesh_shape) for s, p in zip(out_shapes, outs)) and all(
+                valid_for(s, p, mesh_shape) for s, p in zip(in_shapes, ins)):
+            specs.append(OpSpec(ins, outs, source))
     return specs
 
 
@@ -206,6 +214,39 @@ def slice_scatter_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpS
 
 
 # ---------------------------------------------------------------------------------------------
+# Fused attention (CPU flash kernel, forward and backward)
+# ---------------------------------------------------------------------------------------------
+_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default,
+              aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+
+
+def attention_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
+    """SDPA on [B, H, S, D] operands: attention is independent per batch row and per head, so
+    every operand (and the logsumexp [B, H, S] / gradient outputs) splits on B or on H together;
+    a mask whose B or H is broadcast (size 1, or absent) stays Replicate. The sequence dims are
+    never split (causal masking uses global positions). With dropout the op runs replicated
+    (dropout draws would differ from one device's).
+    """
+    backward = node.target is aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    dropout_at = 6 if backward else 3
+    if len(node.args) > dropout_at and node.args[dropout_at]:
+        return []
+    mask = node.kwargs.get("attn_mask")
+    targs = tensor_args(node)
+    in_shapes = [val_shape(a) for a in targs]
+    out_shapes = [tuple(v.shape) for v in node.meta["val"]]
+    ref = out_shapes[0]  # [B, H, S, D]: the output, or grad_query
+    options = [(tuple(Replicate() for _ in targs), tuple(Replicate() for _ in out_shapes))]
+    for d in (0, 1):
+        ins = []
+        for a, s in zip(targs, in_shapes):
+            k = d - (4 - len(s)) if a is mask else d  # a mask broadcasts from the right
+            ins.append(Shard(k) if 0 <= k < len(s) and s[k] == ref[d] else Replicate())
+        options.append((tuple(ins), tuple(Shard(d) for _ in out_shapes)))
+    return expand_multi_output(options, mesh_shape, in_shapes, out_shapes, "attention")
+
+
+# ---------------------------------------------------------------------------------------------
 # Dispatch
 # ---------------------------------------------------------------------------------------------
 def replicated_spec(node: fx.Node, ndim_mesh: int, source: str) -> OpSpec:
@@ -256,6 +297,8 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
         return index_put_accumulate_strategy(node, mesh_shape)
     if op is aten.slice_scatter.default:
         return slice_scatter_strategy(node, mesh_shape)
+    if op in _ATTENTION:
+        return attention_strategy(node, mesh_shape)
     if is_pointwise(op):
         return pointwise_strategy(node, mesh_shape)
     from .dtensor_adapter import dtensor_strategy

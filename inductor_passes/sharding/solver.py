@@ -145,7 +145,8 @@ class ShardingILP:
             specs = list(dict.fromkeys(specs))
             if self.base is not None and node.name in self.base:
                 keep = self.base[node.name]
-                specs = [sp for sp in specs if _agrees(sp, keep, self.free_axis)] or [keep]
+                # a base OpSpec this node cannot take (two axes' choices clash): the node is free
+                specs = [sp for sp in specs if _agrees(sp, keep, self.free_axis)] or specs
             if not specs:
                 specs = [replicated_spec(node, ndim, "fallback")]
             self.options[node] = specs[:MAX_OPTIONS]

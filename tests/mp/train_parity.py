@@ -8,11 +8,12 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from dynamo_dist.demo import parse_mesh
 from dynamo_dist.models import LlamaSize, build_llama, token_batch
-from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
+from dynamo_dist.plans import (DataParallelPlanner, ShardingPlan, TensorParallelPlanner,
+                               shard_module)
 
 
 class MLP(torch.nn.Module):
@@ -35,7 +36,9 @@ def main() -> int:
     ap.add_argument("--mesh", default="tp=2")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--inductor", type=int, default=1)
-    ap.add_argument("--attn", default="eager")
+    ap.add_argument("--attn", default="sdpa")
+    ap.add_argument("--local-logits", action="store_true",
+                    help="output_plan: logits split over the vocabulary on tp, returned local")
     args = ap.parse_args()
     axes = parse_mesh(args.mesh)
     dist.init_process_group("gloo")
@@ -51,6 +54,9 @@ def main() -> int:
     plan = TensorParallelPlanner().build_plan(model) if "tp" in axes else None
     if "dp" in axes:
         plan = DataParallelPlanner(mesh_axis_size=axes["dp"]).build_plan(model, plan)
+    if args.local_logits:
+        plan = plan.merged(ShardingPlan(output_plan={"logits": {"tp": Shard(2)}},
+                                        return_local_tensor=("logits",)))
     shard_module(model, mesh, plan)
     compiled = torch.compile(model, backend="dist", options={"inductor": bool(args.inductor)})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -63,8 +69,15 @@ def main() -> int:
             loss, ref_loss = compiled(*batch), ref(*batch)
         else:
             ids = token_batch(size, step)
-            loss = compiled(input_ids=ids, labels=ids).loss
-            ref_loss = ref(input_ids=ids, labels=ids).loss
+            out, ref_out = compiled(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+            loss, ref_loss = out.loss, ref_out.loss
+            if args.local_logits:  # this rank's vocabulary shard, as a plain tensor
+                tp = mesh["tp"].get_local_rank()
+                assert type(out.logits) is torch.Tensor, type(out.logits)
+                want = ref_out.logits.chunk(axes["tp"], dim=2)[tp]
+                torch.testing.assert_close(out.logits, want, rtol=1e-4, atol=1e-5)
+            else:
+                assert isinstance(out.logits, DTensor)
         loss.backward()
         ref_loss.backward()
         if step == args.steps - 1:
