@@ -153,6 +153,9 @@ def install_dynamo_tracing_fallback() -> None:
         rep = OpSchema(op_schema.op, tuple(replicated(a) for a in op_schema.args_schema),
                        {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},
                        schema_info=op_schema.schema_info)
+        state["substituted"] = True
+        if forget not in callback_handler.end_callbacks:  # torch._dynamo.reset() clears them
+            callback_handler.register_end_callback(forget)
         try:
             result = original(rep)
         except NotImplementedError:
@@ -164,8 +167,21 @@ def install_dynamo_tracing_fallback() -> None:
             result.needs_redistribute = True
         return result
 
+    from torch._dynamo.callback import callback_handler
+
     prop.propagate_op_sharding_non_cached = propagate
     prop._dynamo_dist_fallback = True
+    state = {"substituted": False}
+
+    # DTensor's C++ dispatch caches what this returned under the ORIGINAL placements: left there,
+    # later eager DTensor calls would replicate too (seen: an unevenly sharded view that DTensor
+    # rejects eagerly passed after a dist compile). Dropped when the Dynamo compile ends.
+    def forget(_args=None) -> None:
+        if state["substituted"]:
+            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+            _clear_sharding_prop_cache()
+            state["substituted"] = False
 
 
 def _replicated_output_specs(prop, op_schema):

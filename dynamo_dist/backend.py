@@ -21,7 +21,8 @@ import torch.fx as fx
 
 from inductor_passes.compile import compile_joint
 from inductor_passes.lowering import lower
-from inductor_passes.sharding.placements import Placements, replicate
+from inductor_passes.sharding.placements import (Placements, fmt, nbytes, normalize, plannable,
+                                                 replicate)
 from inductor_passes.sharding.propagate import Plan, propagate
 
 from . import _compat
@@ -105,6 +106,22 @@ def _constraints(gm: fx.GraphModule):
     return found
 
 
+def _input_placements(info, mesh) -> Placements:
+    """The placement the plan gives an input: its own, or, where the planner cannot hold that
+    (uneven or nested split), Replicate on those axes -- DTensor redistributes it exactly at the
+    boundary (and its gradient back). Returns (placements, the logged message or None)."""
+    if info.placements is None:
+        return replicate(mesh.ndim), None
+    pls, why = plannable(info.shape, normalize(info.placements, len(info.shape)), tuple(mesh.shape))
+    if not why:
+        return pls, None
+    msg = (f"input {info.name} {tuple(info.shape)} {fmt(info.placements)}: {'; '.join(why)}; it "
+           f"is gathered on those axes at the compiled program's boundary (up to "
+           f"{nbytes(info.shape, info.dtype)} bytes per rank per call)")
+    log.warning("dynamo_dist: %s", msg)
+    return pls, msg
+
+
 def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     seconds: dict[str, float] = {}
     t = time.perf_counter()
@@ -127,8 +144,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
         return compile_fx(gm, example_inputs) if inductor else gm
 
     ndim = mesh.ndim
-    primal_pl: list[Placements] = [i.placements if i.placements is not None else replicate(ndim)
-                                   for i in program.primal_inputs]
+    boundary = [_input_placements(i, mesh) for i in program.primal_inputs]
+    primal_pl = [pl for pl, _ in boundary]
     origins = [f"DTensor input {i.name}" if i.kind == "dtensor" else
                f"plain tensor input {i.name} (a global value on every rank)"
                for i in program.primal_inputs]
@@ -139,6 +156,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     plan = plan_once(mesh, lambda: propagate(
         program.graph_module, mesh, primal_pl, program.num_fwd_outputs, program.diff_outputs,
         grad_pl, pinned.get, origins, data_axes=data_axes(mesh)))
+    plan.fallbacks.extend(msg for _, msg in boundary if msg)
     seconds["plan"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -178,3 +196,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
 
 
 dist_backend._dynamo_dist_backend = True  # how _compat recognises Dynamo tracing for us
+# Installed when the backend is first resolved (torch.compile looks it up before Dynamo traces),
+# so programs that never call shard_module (DTensors made by hand) get it too; it changes DTensor
+# only while Dynamo traces for this backend.
+_compat.install_dynamo_tracing_fallback()

@@ -42,11 +42,12 @@ SIZE_ARG = {
 _LOCAL_IMPL = {aten.view.default: aten.reshape.default, MATMUL_ND: torch.matmul}
 
 
-def lower(gm: fx.GraphModule, plan: Plan, mesh,
-          num_fwd_outputs: int) -> tuple[fx.GraphModule, CollectiveLedger]:
+def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
+          coordinate: Sequence[int] | None = None) -> tuple[fx.GraphModule, CollectiveLedger]:
     """Return the local joint graph of this rank (placeholders ``primals_*``, ``tangents_*``;
-    outputs in the joint's order) and the ledger of the collectives it contains."""
-    axes = mesh_axes(mesh)
+    outputs in the joint's order) and the ledger of the collectives it contains.
+    ``coordinate``: lower for the rank at this mesh coordinate instead of this process's."""
+    axes = mesh_axes(mesh, coordinate)
     mesh_shape = plan.mesh_shape
     ledger = CollectiveLedger()
     bwd = tangent_dependent(gm.graph)

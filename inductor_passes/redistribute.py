@@ -19,7 +19,7 @@ queries already is.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
@@ -36,8 +36,10 @@ class AxisGroup:
         self.name, self.size, self.coordinate, self.group_name = name, size, coordinate, group_name
 
 
-def mesh_axes(mesh) -> list[AxisGroup]:
-    coord = mesh.get_coordinate()
+def mesh_axes(mesh, coordinate: Sequence[int] | None = None) -> list[AxisGroup]:
+    """Per mesh axis: name, size, this rank's coordinate (or ``coordinate``, to lower the graph
+    of another rank: the SPMD simulator does) and the process group's name."""
+    coord = mesh.get_coordinate() if coordinate is None else list(coordinate)
     if coord is None:
         raise RuntimeError(f"this rank is not part of {mesh}")
     names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))

@@ -46,3 +46,23 @@ def test_to_local_feeding_computation_is_a_clear_error(fake_mesh):
     text = str(info.value)  # Dynamo wraps backend errors; the message is carried whole
     assert "DistCompileError" in text and "to_local()" in text
     assert "test_dtensor_calls.py" in text and "fix:" in text
+
+
+def test_compiling_leaves_eager_dtensor_unchanged(fake_mesh):
+    """Our replicate-while-tracing propagation must not stay in DTensor's sharding cache: after
+    a dist compile, eager DTensor still rejects what it rejects (a view flattening an uneven
+    split), instead of silently replicating."""
+    mesh = fake_mesh((4,), ("x",))
+    torch._dynamo.reset()  # also drops Dynamo's compile callbacks (the bug this guards)
+    x = torch.randn(5, 5, 5)
+
+    def uneven():
+        return DTensor.from_local(x.chunk(4)[0], mesh, [Shard(0)], run_check=False,
+                                  shape=x.shape, stride=x.stride())
+
+    out = torch.compile(lambda a: a.view(25, 5), backend="dist",
+                        options={"inductor": False})(uneven())
+    assert out.shape == (25, 5)
+    assert compile_records()[-1].plan.fallbacks  # gathered at the boundary, and said so
+    with pytest.raises(RuntimeError, match="unevenly sharded"):
+        uneven().view(25, 5)

@@ -75,6 +75,29 @@ def valid_for(shape: Sequence[int], placements: Placements, mesh_shape: Sequence
     return True
 
 
+def plannable(shape: Sequence[int], placements: Placements,
+              mesh_shape: Sequence[int]) -> tuple[Placements, list[str]]:
+    """``placements`` with every mesh axis the planner cannot hold replaced by Replicate, and
+    why: an uneven split (a dim of GLOBAL size 5 over 4 ranks), a tensor dim split by two mesh
+    axes, or an unsupported placement type. Inputs in such placements are redistributed (by
+    DTensor, exactly) at the program boundary, and the caller logs the cost."""
+    out, why, seen = list(placements), [], set()
+    for axis, p in enumerate(placements):
+        if not is_plain(p):
+            why.append(f"mesh axis {axis}: {p!r} is not supported")
+        elif type(p) is Shard and p.dim in seen:
+            why.append(f"mesh axis {axis}: dim {p.dim} is already split by another mesh axis")
+        elif type(p) is Shard and shape[p.dim] % mesh_shape[axis]:
+            why.append(f"mesh axis {axis}: dim {p.dim} of size {shape[p.dim]} does not split "
+                       f"evenly over {mesh_shape[axis]} ranks")
+        else:
+            if type(p) is Shard:
+                seen.add(p.dim)
+            continue
+        out[axis] = Replicate()
+    return tuple(out), why
+
+
 def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple[int, ...]:
     counts = shard_counts(shape, placements, mesh_shape)
     return tuple(s // c for s, c in zip(shape, counts))

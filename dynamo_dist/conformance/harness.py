@@ -1,0 +1,285 @@
+"""OpInfo conformance: every op of torch's OpInfo database, compiled with ``backend="dist"``
+under several input placements, run on simulated ranks, checked against one device.
+
+For one (op, sample, placements) case:
+  1. reference: the op on plain tensors (GLOBAL values), and its input gradients for a fixed
+     random cotangent;
+  2. ours: DTensor inputs with those placements on a ``fake`` process group mesh, compiled with
+     ``torch.compile(backend="dist")`` (Dynamo, capture, plan, lowering); the compiled program is
+     then run on every rank in lock step (``simulate.run_spmd``) with real values;
+  3. DTensor eager, the peer: the same inputs and op under ``LocalTensorMode``.
+
+Each case is classified (``Outcome``): pass, fallback (correct, but some node ran replicated),
+error (a DistCompileError: a clear message), wrong (a value differs from the reference), crash
+(any other exception), break (Dynamo did not hand the backend exactly one graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import traceback
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from .simulate import ReplicaMismatch, coordinates, run_spmd, shard_global
+
+OUTCOMES = ("pass", "fallback", "error", "wrong", "crash", "break")
+RTOL, ATOL = 1e-4, 1e-4
+
+
+@dataclasses.dataclass
+class Case:
+    op: str
+    sample: int
+    mesh: tuple[int, ...]
+    placements: tuple[tuple[Placement, ...], ...]   # one per tensor input
+    shapes: tuple[tuple[int, ...], ...]             # GLOBAL
+    ours: str = ""
+    ours_grad: str = ""          # "" when the op has no differentiable output
+    dtensor: str = ""
+    detail: str = ""
+
+    def to_json(self) -> dict:
+        from inductor_passes.sharding.placements import fmt
+
+        d = dataclasses.asdict(self)
+        d["placements"] = [fmt(p) for p in self.placements]
+        return d
+
+    @property
+    def sharded(self) -> bool:
+        return any(not isinstance(p, Replicate) for pls in self.placements for p in pls)
+
+
+def _flat_tensors(sample) -> tuple[list[torch.Tensor], Any]:
+    """The sample's tensors (input, args, kwargs) and a function rebuilding the call."""
+    leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
+    idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+    def rebuild(tensors):
+        out = list(leaves)
+        for i, t in zip(idx, tensors):
+            out[i] = t
+        return pytree.tree_unflatten(out, spec)
+
+    return [leaves[i] for i in idx], rebuild
+
+
+def placement_options(shapes: Sequence[tuple[int, ...]], dtypes, mesh_shape: Sequence[int],
+                      max_cases: int = 12) -> list[tuple[tuple[Placement, ...], ...]]:
+    """Input placement sets: one input at a time Shard(d) / Partial (others Replicate), and every
+    input on the same Shard(d) where all have dim d. Uneven splits are included on purpose."""
+    nd = len(mesh_shape)
+    rep = tuple(Replicate() for _ in range(nd))
+    out: list[tuple[tuple[Placement, ...], ...]] = []
+
+    def add(per_input):
+        if per_input not in out:
+            out.append(per_input)
+
+    for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        for d in range(len(shape)):
+            pl = (Shard(d),) + rep[1:] if nd == 1 else (Shard(d), Replicate())
+            add(tuple(pl if k == i else rep for k in range(len(shapes))))
+            if nd == 2:
+                last = len(shape) - 1
+                two = (Shard(0), Shard(last)) if last != 0 else (Shard(0), Replicate())
+                add(tuple(two if k == i else rep for k in range(len(shapes))))
+        if dtype.is_floating_point:
+            add(tuple((Partial(),) + rep[1:] if k == i else rep for k in range(len(shapes))))
+    ndims = {len(s) for s in shapes}
+    if len(shapes) > 1 and len(ndims) == 1 and 0 not in ndims:
+        for d in range(ndims.pop()):
+            add(tuple(((Shard(d),) + rep[1:]) for _ in shapes))
+    return out[:max_cases]
+
+
+def _as_dtensor(x: torch.Tensor, mesh, pls) -> torch.Tensor:
+    coord = tuple(mesh.get_coordinate())
+    local = shard_global(x.detach(), pls, coord, tuple(mesh.shape))
+    dt = DTensor.from_local(local, mesh, pls, run_check=False, shape=x.shape, stride=x.stride())
+    return dt.detach().requires_grad_(x.requires_grad)
+
+
+def _unwrap_error(exc: BaseException) -> BaseException:
+    from dynamo_dist.errors import DistCompileError
+
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, DistCompileError):
+            return seen
+        seen = getattr(seen, "inner_exception", None) or seen.__cause__
+    return exc
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        return torch.allclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=True)
+    return a == b or (a is None and b is None)
+
+
+def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh) -> tuple[str, str, str]:
+    """(forward outcome, backward outcome or "", detail) for one case."""
+    from dynamo_dist import clear_compile_records, compile_records
+    from dynamo_dist.errors import DistCompileError
+
+    grad_inputs = [k for k, t in enumerate(tensors) if t.requires_grad]
+    ref_out = op_fn(*tensors)
+    ref_flat = [o for o in pytree.tree_leaves(ref_out)]
+    diff = [i for i, o in enumerate(ref_flat) if isinstance(o, torch.Tensor) and o.requires_grad]
+    gen = torch.Generator().manual_seed(0)
+    cot = {i: torch.randn(ref_flat[i].shape, generator=gen, dtype=ref_flat[i].dtype) for i in diff}
+    ref_grads = None
+    if diff and grad_inputs:
+        ref_grads = torch.autograd.grad([ref_flat[i] for i in diff],
+                                        [tensors[k] for k in grad_inputs],
+                                        [cot[i] for i in diff], allow_unused=True)
+
+    torch._dynamo.reset()
+    clear_compile_records()
+    inputs = [_as_dtensor(t, mesh, pls) for t, pls in zip(tensors, placements)]
+    names = [f"a{k}" for k in range(len(inputs))]
+    fn = _positional(op_fn, names)
+    try:
+        torch.compile(fn, backend="dist", options={"inductor": False})(*inputs)
+    except Exception as exc:  # noqa: BLE001  (classified, not hidden)
+        err = _unwrap_error(exc)
+        if isinstance(err, DistCompileError):
+            return "error", "", str(err).splitlines()[0][:200]
+        return "crash", "", _short(exc)
+    records = compile_records()
+    if len(records) != 1:
+        return "break", "", f"{len(records)} graphs reached the backend"
+    record = records[0]
+    # graph input i <- our tensor k (Dynamo names inputs after the argument: L_a3_)
+    order = []
+    for info in record.program.primal_inputs:
+        m = re.search(r"a(\d+)", info.name)
+        order.append(int(m.group(1)) if m else -1)
+    if -1 in order:
+        return "crash", "", "cannot map graph inputs to arguments: " + \
+            ", ".join(i.name for i in record.program.primal_inputs)
+    if ref_grads is not None and set(record.program.diff_outputs) != set(diff):
+        return "crash", "", f"differentiable outputs {record.program.diff_outputs} vs {diff}"
+    tangents = [cot[j] for j in record.program.diff_outputs]
+    try:
+        outs, grads = run_spmd(record, [tensors[k].detach() for k in order],
+                               tangents if ref_grads is not None else None, mesh)
+    except ReplicaMismatch as exc:
+        return "wrong", "", str(exc)
+    except Exception as exc:  # noqa: BLE001
+        err = _unwrap_error(exc)
+        if isinstance(err, DistCompileError):
+            return "error", "", str(err).splitlines()[0][:200]
+        return "crash", "", _short(exc)
+    fwd_ok = len(outs) == len(ref_flat) and all(_close(o, r.detach() if isinstance(r, torch.Tensor)
+                                                       else r) for o, r in zip(outs, ref_flat))
+    good = "fallback" if record.plan.fallbacks else "pass"
+    fwd = good if fwd_ok else "wrong"
+    bwd = ""
+    if ref_grads is not None:
+        got = {order[i]: g for i, g in enumerate(grads)}
+        bwd_ok = all(_close(got.get(k), g) if g is not None else got.get(k) is None or
+                     bool(torch.all(got[k] == 0)) for k, g in zip(grad_inputs, ref_grads))
+        bwd = good if bwd_ok else "wrong"
+    detail = "" if fwd_ok else _diff(outs, ref_flat)
+    if record.plan.fallbacks:
+        detail = detail or record.plan.fallbacks[0][:200]
+    return fwd, bwd, detail
+
+
+def _positional(op_fn, names: Sequence[str]):
+    """A function of named positional tensors (``a0, a1, ...``) calling ``op_fn``: Dynamo names
+    graph inputs after them, which maps each graph input back to its tensor."""
+    src = f"def f({', '.join(names)}):\n    return op_fn([{', '.join(names)}])\n"
+    scope: dict[str, Any] = {"op_fn": lambda ts: op_fn(*ts)}
+    exec(src, scope)  # noqa: S102  (a fixed template, no user input)
+    return scope["f"]
+
+
+def run_dtensor(op_fn, tensors: list[torch.Tensor], placements, mesh) -> str:
+    """DTensor eager under LocalTensorMode: pass / wrong / crash (its errors count as crash)."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+    n = mesh.size()
+    ref = [o.detach() if isinstance(o, torch.Tensor) else o
+           for o in pytree.tree_leaves(op_fn(*[t.detach() for t in tensors]))]
+    try:
+        with LocalTensorMode(n):
+            inputs = []
+            for t, pls in zip(tensors, placements):
+                shards = {r: shard_global(t.detach(), pls, c, tuple(mesh.shape))
+                          for r, c in enumerate(coordinates(tuple(mesh.shape)))}
+                inputs.append(DTensor.from_local(LocalTensor(shards), mesh, pls, run_check=False,
+                                                 shape=t.shape, stride=t.stride()))
+            out = [o.full_tensor() if isinstance(o, DTensor) else o
+                   for o in pytree.tree_leaves(op_fn(*inputs))]
+            out = [_rank0(o) for o in out]
+    except Exception as exc:  # noqa: BLE001
+        return "crash: " + _short(exc)
+    ok = len(out) == len(ref) and all(_close(o, r) for o, r in zip(out, ref))
+    return "pass" if ok else "wrong"
+
+
+def _rank0(x):
+    from torch.distributed._local_tensor import LocalTensor
+
+    if isinstance(x, LocalTensor):
+        return x._local_tensors[0]
+    return x
+
+
+def _diff(outs, refs) -> str:
+    for k, (o, r) in enumerate(zip(outs, refs)):
+        if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor):
+            if o.shape != r.shape:
+                return f"output {k}: shape {tuple(o.shape)} vs {tuple(r.shape)}"
+            return f"output {k}: max abs diff {(o.float() - r.float()).abs().max().item():.3g}"
+    return "outputs differ"
+
+
+def _short(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    head = lines[0] if lines else type(exc).__name__
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    where = f" @ {frame.filename.split('/')[-1]}:{frame.lineno}" if frame else ""
+    return f"{type(exc).__name__}: {head[:160]}{where}"
+
+
+def cases_for(opinfo, mesh, max_samples: int, max_cases: int) -> Iterator[tuple[Case, Any, list]]:
+    """(Case, op function, global input tensors) for the first samples of ``opinfo``."""
+    samples = opinfo.sample_inputs("cpu", torch.float32, requires_grad=opinfo.supports_autograd)
+    for s_idx, sample in enumerate(samples):
+        if s_idx >= max_samples:
+            break
+        tensors, rebuild = _flat_tensors(sample)
+        if not tensors or any(t.numel() == 0 for t in tensors):
+            continue
+
+        def op_fn(*ts, rebuild=rebuild):
+            inp, args, kwargs = rebuild(list(ts))
+            return opinfo.op(inp, *args, **kwargs)
+
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        for pls in placement_options(shapes, [t.dtype for t in tensors], tuple(mesh.shape),
+                                     max_cases):
+            yield Case(opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name
+                                      else ""), s_idx, tuple(mesh.shape), pls, shapes), op_fn, tensors
+
+
+def run_case(case: Case, op_fn, tensors, mesh, with_dtensor: bool = True) -> Case:
+    ts = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+    try:
+        case.ours, case.ours_grad, case.detail = run_ours(op_fn, ts, case.placements, mesh)
+    except Exception as exc:  # noqa: BLE001  (the reference itself failed: not our case)
+        case.ours, case.detail = "skip", _short(exc)
+    if with_dtensor and case.ours != "skip":
+        case.dtensor = run_dtensor(op_fn, ts, case.placements, mesh)
+    return case

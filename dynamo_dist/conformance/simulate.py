@@ -1,0 +1,199 @@
+"""Run a compiled program on N simulated ranks in one process, with real values.
+
+The backend compiles one joint graph per rank (rank coordinates are constants), and every rank's
+graph has the same structure (lowering guarantees it: see redistribute.py). So the N local graphs
+can be interpreted in lock step, node by node: an ordinary op runs once per rank on that rank's
+values; a ``_c10d_functional`` collective is computed across the ranks of its mesh-axis group
+from all of their inputs at once. This is what ``torch.distributed._local_tensor.LocalTensorMode``
+does for DTensor eager, applied to our rank-specialised graphs (which one LocalTensor program
+cannot express), and it checks the exact local graphs a real run would compile (without Inductor).
+
+Shapes: ``run_spmd`` takes GLOBAL tensors and returns GLOBAL tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Shard
+
+from inductor_passes.lowering import lower
+from inductor_passes.sharding.placements import Placements, is_placements
+
+c10d = torch.ops._c10d_functional
+_COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.all_reduce.default,
+                c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default}
+
+
+class ReplicaMismatch(AssertionError):
+    """Ranks that should hold the same (Replicate) value hold different ones: a wrong plan."""
+
+
+def coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    return list(itertools.product(*(range(n) for n in mesh_shape)))
+
+
+def shard_global(x: torch.Tensor, placements: Placements, coord: Sequence[int],
+                 mesh_shape: Sequence[int]) -> torch.Tensor:
+    """The local tensor of the rank at ``coord`` for GLOBAL ``x`` under ``placements``.
+
+    Shard splits evenly (the compiler plans even splits only); Partial(sum) gives rank k of the
+    axis the share (k+1)/(n(n+1)/2) of the value, so that a plan that forgets the reduction, or
+    reduces twice, is caught (equal shares could hide a missing average).
+    """
+    out = x
+    for axis, p in enumerate(placements):
+        n, c = mesh_shape[axis], coord[axis]
+        if isinstance(p, Shard):
+            out = out.chunk(n, dim=p.dim)[c] if out.shape[p.dim] % n == 0 else \
+                _uneven(out, p.dim, n, c)
+        elif isinstance(p, Partial):
+            out = out * ((c + 1) / (n * (n + 1) / 2))
+    return out.contiguous()
+
+
+def _uneven(x: torch.Tensor, dim: int, n: int, c: int) -> torch.Tensor:
+    chunks = list(x.chunk(n, dim=dim))
+    return chunks[c] if c < len(chunks) else x.narrow(dim, 0, 0)
+
+
+def unshard(locals_: dict[tuple[int, ...], torch.Tensor], placements: Placements,
+            mesh_shape: Sequence[int], what: str, atol: float = 1e-5,
+            rtol: float = 1e-4) -> torch.Tensor:
+    """GLOBAL value from every rank's local value; checks that replicas agree."""
+    cur = dict(locals_)
+    for axis in reversed(range(len(mesh_shape))):
+        p = placements[axis]
+        nxt: dict[tuple[int, ...], torch.Tensor] = {}
+        for coord in {c[:axis] + c[axis + 1:] for c in cur}:
+            group = [cur[coord[:axis] + (k,) + coord[axis:]] for k in range(mesh_shape[axis])]
+            if isinstance(p, Shard):
+                val = torch.cat(group, dim=p.dim)
+            elif isinstance(p, Partial):
+                val = torch.stack(group).sum(0)
+            else:
+                for k, g in enumerate(group[1:], 1):
+                    if g.shape != group[0].shape or not torch.allclose(
+                            g, group[0], atol=atol, rtol=rtol, equal_nan=True):
+                        raise ReplicaMismatch(f"{what}: replica {k} on mesh axis {axis} differs "
+                                              f"from replica 0")
+                val = group[0]
+            nxt[coord] = val
+        cur = nxt
+    return cur[()]
+
+
+class _Groups:
+    """Maps a collective's group name to the mesh axis it spans (names are those lowering used)."""
+
+    def __init__(self, axis_group_names: Sequence[str], mesh_shape: Sequence[int]) -> None:
+        self.axis_of = {name: i for i, name in enumerate(axis_group_names)}
+        self.mesh_shape = tuple(mesh_shape)
+
+    def members(self, group_name: str, coord: tuple[int, ...]) -> list[tuple[int, ...]]:
+        axis = self.axis_of[group_name]
+        return [coord[:axis] + (k,) + coord[axis + 1:] for k in range(self.mesh_shape[axis])]
+
+
+def _collective(target, args_by_rank: dict, groups: _Groups) -> dict:
+    out = {}
+    for coord, args in args_by_rank.items():
+        x, group_name = args[0], args[-1]
+        peers = [args_by_rank[m][0] for m in groups.members(group_name, coord)]
+        k = groups.members(group_name, coord).index(coord)
+        if target is c10d.all_gather_into_tensor.default:
+            out[coord] = torch.cat(peers, dim=0)
+        elif target is c10d.all_reduce.default:
+            op = args[1]
+            stacked = torch.stack(peers)
+            out[coord] = {"sum": stacked.sum(0), "avg": stacked.mean(0),
+                          "max": stacked.amax(0), "min": stacked.amin(0)}[op]
+        elif target is c10d.reduce_scatter_tensor.default:
+            total = torch.stack(peers).sum(0) if args[1] == "sum" else torch.stack(peers).mean(0)
+            out[coord] = total.chunk(len(peers), dim=0)[k].contiguous()
+        else:  # all_to_all_single(x, output_split_sizes, input_split_sizes, group)
+            splits = [list(p.split(args_by_rank[m][2] or [p.shape[0] // len(peers)] * len(peers)))
+                      for p, m in zip(peers, groups.members(group_name, coord))]
+            out[coord] = torch.cat([s[k] for s in splits], dim=0)
+    return out
+
+
+def run_lockstep(graphs: dict[tuple[int, ...], fx.GraphModule], inputs: dict[tuple[int, ...], list],
+                 groups: _Groups) -> dict[tuple[int, ...], list]:
+    """Interpret one local graph per rank in lock step; returns each rank's flat outputs."""
+    nodes = {c: list(g.graph.nodes) for c, g in graphs.items()}
+    first = next(iter(nodes))
+    lengths = {len(v) for v in nodes.values()}
+    if len(lengths) != 1:
+        raise AssertionError(f"ranks' local graphs differ in length: {sorted(lengths)}")
+    env: dict[tuple[int, ...], dict] = {c: {} for c in graphs}
+    feed = {c: iter(inputs[c]) for c in graphs}
+    for i, node0 in enumerate(nodes[first]):
+        per_rank = {c: nodes[c][i] for c in graphs}
+        if any(n.op != node0.op or n.target != node0.target for n in per_rank.values()):
+            raise AssertionError(f"ranks' local graphs differ at node {i} ({node0.name})")
+        if node0.op == "placeholder":
+            for c in graphs:
+                env[c][per_rank[c]] = next(feed[c])
+            continue
+        if node0.op == "output":
+            return {c: list(fx.node.map_arg(per_rank[c].args[0], lambda a, c=c: env[c][a]))
+                    for c in graphs}
+        args = {c: fx.node.map_arg((per_rank[c].args, per_rank[c].kwargs), lambda a, c=c: env[c][a])
+                for c in graphs}
+        if node0.target in _COLLECTIVES:
+            res = _collective(node0.target, {c: a[0] for c, a in args.items()}, groups)
+        elif node0.target is c10d.wait_tensor.default:
+            res = {c: a[0][0] for c, a in args.items()}
+        else:
+            res = {c: node0.target(*a[0], **a[1]) for c, a in args.items()}
+        for c in graphs:
+            env[c][per_rank[c]] = res[c]
+    raise AssertionError("local graph has no output node")
+
+
+def run_spmd(record, args: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor] | None,
+             mesh) -> tuple[list[Any], list[Any]]:
+    """Run a ``CompileRecord`` (its joint program and plan) on every rank of ``mesh``.
+
+    ``args``: the GLOBAL values of the program's tensor inputs (one per primal, in order);
+    ``tangents``: GLOBAL cotangents of its differentiable outputs (None: forward only).
+    Returns (forward outputs, gradients of the primals), GLOBAL; raises ReplicaMismatch when
+    replicas disagree and AssertionError when the ranks' graphs differ in structure.
+    """
+    program, plan = record.program, record.plan
+    mesh_shape = tuple(mesh.shape)
+    gm = program.graph_module
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    primals = [n for n in placeholders if n.name.startswith("primals")]
+    tangent_nodes = [n for n in placeholders if n.name.startswith("tangents")]
+    tangents = list(tangents or [])
+    if len(tangents) != len(tangent_nodes):
+        tangents = [torch.zeros(tuple(n.meta["val"].shape), dtype=n.meta["val"].dtype)
+                    for n in tangent_nodes]
+    graphs, inputs = {}, {}
+    for coord in coordinates(mesh_shape):
+        local_gm, _ = lower(gm, plan, mesh, program.num_fwd_outputs, coordinate=coord)
+        graphs[coord] = local_gm
+        inputs[coord] = [shard_global(x, plan.placement(n.name), coord, mesh_shape)
+                         for n, x in zip(primals, args)] + \
+                        [shard_global(t, plan.placement(n.name), coord, mesh_shape)
+                         for n, t in zip(tangent_nodes, tangents)]
+    names = [mesh.get_group(i).group_name for i in range(mesh.ndim)]
+    outs = run_lockstep(graphs, inputs, _Groups(names, mesh_shape))
+    out_node = next(iter(gm.graph.find_nodes(op="output")))
+    reqs = iter(plan.nodes[out_node.name].inputs)
+    results = []
+    for k, o in enumerate(out_node.args[0]):
+        if not isinstance(o, fx.Node):
+            results.append(o)
+            continue
+        pl = next(reqs)
+        results.append(unshard({c: outs[c][k] for c in outs}, pl, mesh_shape, f"output {k}")
+                       if is_placements(pl) else outs[next(iter(outs))][k])
+    n = program.num_fwd_outputs
+    return results[:n], results[n:]
+

@@ -1,0 +1,33 @@
+"""The fast OpInfo conformance subset (issue 4): every case right or a clear error, never a
+wrong number or a crash; the full sweep is `python -m dynamo_dist.conformance`."""
+
+import json
+
+import torch.distributed as dist
+
+
+def test_fast_opinfo_subset(tmp_path):
+    from dynamo_dist.conformance.__main__ import FAST_OPS, main
+
+    out, js = tmp_path / "cov.md", tmp_path / "cov.json"
+    try:
+        main(["--fast", "--out", str(out), "--json", str(js)])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    cases = json.loads(js.read_text())
+    missing = [n for n in FAST_OPS if not any(c["op"] == n or c["op"].startswith(n + ".")
+                                              for c in cases)]
+    assert not missing, missing
+    bad = [c for c in cases if c["ours"] in ("wrong", "crash", "break") or c["ours_grad"] == "wrong"]
+    assert not bad, bad[:5]
+    ops = {c["op"] for c in cases}
+    sharded_ok = {c["op"] for c in cases
+                  if c["ours"] in ("pass", "fallback") and any(p != "R" and p != "R,R"
+                                                                for p in c["placements"])}
+    assert len(sharded_ok) >= 0.95 * len(ops), sorted(ops - sharded_ok)
+    same = [c for c in cases if c["dtensor"]]
+    ours = sum(c["ours"] in ("pass", "fallback") for c in same)
+    theirs = sum(c["dtensor"] == "pass" for c in same)
+    assert ours >= theirs, (ours, theirs)
+    assert "## Summary" in out.read_text()
