@@ -13,6 +13,7 @@ import contextlib
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 TORCH_CHECKED = ("2.11", "2.13")
 
@@ -157,11 +158,14 @@ def install_dynamo_tracing_fallback() -> None:
         if forget not in callback_handler.end_callbacks:  # torch._dynamo.reset() clears them
             callback_handler.register_end_callback(forget)
         try:
-            result = original(rep)
-        except NotImplementedError:
-            # No DTensor strategy (e.g. aten._scaled_dot_product_flash_attention_for_cpu):
-            # Dynamo only needs global metadata, which the op on replicated fakes gives.
-            result = OutputSharding(_replicated_output_specs(prop, rep))
+            try:
+                result = original(rep)
+            except NotImplementedError:
+                # No DTensor strategy (e.g. aten._scaled_dot_product_flash_attention_for_cpu):
+                # Dynamo only needs global metadata, which the op on replicated fakes gives.
+                result = OutputSharding(_replicated_output_specs(prop, rep))
+        except Exception as exc:
+            raise _untraceable(op_schema, exc) from exc
         if rep.args_spec != op_schema.args_spec or result.redistribute_schema is not None:
             result.redistribute_schema = result.redistribute_schema or rep
             result.needs_redistribute = True
@@ -171,6 +175,11 @@ def install_dynamo_tracing_fallback() -> None:
 
     prop.propagate_op_sharding_non_cached = propagate
     prop._dynamo_dist_fallback = True
+    # DTensor runs some ops through handlers of its own (convolution, as_strided, argmax...)
+    # that bypass propagation: while tracing for dist they run on replicated values too.
+    handlers = _dtensor_dispatcher()._custom_op_handlers
+    for op, handler in list(handlers.items()):
+        handlers[op] = _replicating_handler(handler)
     state = {"substituted": False}
 
     # DTensor's C++ dispatch caches what this returned under the ORIGINAL placements: left there,
@@ -178,17 +187,75 @@ def install_dynamo_tracing_fallback() -> None:
     # rejects eagerly passed after a dist compile). Dropped when the Dynamo compile ends.
     def forget(_args=None) -> None:
         if state["substituted"]:
-            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-            _clear_sharding_prop_cache()
+            _clear_dtensor_sharding_caches()
             state["substituted"] = False
+
+
+def _clear_dtensor_sharding_caches() -> None:
+    """DTensor's Python and C++ sharding-propagation caches (2.13: one debug helper; older
+    builds: the Python LRU cache, and the C++ one where it exists)."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        sharding_propagator().propagate_op_sharding.cache_clear()
+        clear_cpp = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+        if clear_cpp is not None:
+            clear_cpp()
+        return
+    _clear_sharding_prop_cache()
+
+
+def _dtensor_dispatcher():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher
+
+
+def _replicating_handler(handler):
+    def run(op_call, args, kwargs):
+        from torch.distributed._functional_collectives import _are_we_tracing
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.placement_types import Replicate
+
+        if not _are_we_tracing() or not dist_backend_is_tracing():
+            return handler(op_call, args, kwargs)
+        meshes = [a.device_mesh for a in pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, DTensor)]
+        reps = [Replicate()] * meshes[0].ndim
+
+        def local(a):
+            return a.redistribute(a.device_mesh, reps).to_local() if isinstance(a, DTensor) else a
+
+        try:
+            out = op_call(*pytree.tree_map(local, args), **pytree.tree_map(local, kwargs))
+        except Exception as exc:
+            raise _untraceable(op_call, exc) from exc
+        return pytree.tree_map_only(
+            torch.Tensor, lambda o: DTensor.from_local(o, meshes[0], reps, run_check=False), out)
+
+    run._dynamo_dist_original = handler
+    return run
+
+
+def _untraceable(op, exc: Exception) -> Exception:
+    """A clear error for an op Dynamo cannot trace with DTensor inputs even when replicated
+    (data-dependent output shapes, Python scalars from tensors)."""
+    from .errors import DistCompileError
+
+    name = getattr(op, "op", op)
+    return DistCompileError(
+        f"{name} cannot be traced for the dist backend: {type(exc).__name__}: "
+        f"{(str(exc).splitlines() or [''])[0][:300]}",
+        op=name, fix="compute it outside the compiled region (for example when its output shape "
+                     "depends on tensor values), or on plain tensors")
 
 
 def _replicated_output_specs(prop, op_schema):
     """Replicated DTensorSpecs for an op's outputs, metadata from running it on fakes."""
     from torch.distributed.tensor.placement_types import Replicate
 
-    mesh = next(s.mesh for s in op_schema.args_spec)
+    mesh = next(s.mesh for s in pytree.tree_leaves((op_schema.args_schema, op_schema.kwargs_schema))
+                if isinstance(s, DTensorSpec))
     reps = tuple(Replicate() for _ in range(mesh.ndim))
     meta = prop._propagate_tensor_meta_non_cached(op_schema)
     if isinstance(meta, TensorMeta):

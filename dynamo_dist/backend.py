@@ -143,7 +143,6 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
 
         return compile_fx(gm, example_inputs) if inductor else gm
 
-    ndim = mesh.ndim
     boundary = [_input_placements(i, mesh) for i in program.primal_inputs]
     primal_pl = [pl for pl, _ in boundary]
     origins = [f"DTensor input {i.name}" if i.kind == "dtensor" else

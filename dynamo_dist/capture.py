@@ -237,6 +237,8 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
             tracing_mode="fake",
             record_stack_traces=True,
         )(primals, tangents)
+        if _mutates(joint_gm):
+            joint_gm = _functionalize(joint_gm, primals, tangents)
     _check_functional(joint_gm)
     joint_gm.graph.eliminate_dead_code()
     joint_gm.recompile()
@@ -244,6 +246,25 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
     local = [i for i, a in enumerate(out_args) if isinstance(a, fx.Node) and a.name in local_outputs]
     return JointProgram(joint_gm, infos, tensor_infos, len(flat_outs), diff_outputs, out_spec, mesh,
                         local)
+
+
+def _mutates(gm: fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and n.target._schema.is_mutable for n in gm.graph.nodes)
+
+
+def _functionalize(joint_gm: fx.GraphModule, primals, tangents) -> fx.GraphModule:
+    """Retrace the joint graph without in-place updates of intermediates (decompositions write
+    copy_, scatter_, logical_or_ into buffers they made). A program that updates one of its
+    INPUTS keeps a copy_ into that input, which ``_check_functional`` then reports. Views stay
+    views (our rules know them; ``*_copy`` ops they would not)."""
+    functional = torch.func.functionalize(joint_gm, remove="mutations")
+
+    def joint(primals, tangents):  # argument names give the AOT placeholder names
+        return functional(primals, tangents)
+
+    return _compat.make_fx(joint, tracing_mode="fake", record_stack_traces=True)(
+        primals, tangents)
 
 
 def _check_functional(gm: fx.GraphModule) -> None:

@@ -20,3 +20,17 @@ def test_dtensor_strategy_registry_enumerates(fake_mesh):
     out = _compat.TensorMeta(torch.Size([6, 4]), (1, 6), torch.float32)
     strategy = _compat.dtensor_op_strategy(schema, out)
     assert isinstance(strategy, _compat.OpStrategy) and len(strategy.strategies) >= 1
+
+
+def test_dynamo_and_dtensor_hooks_we_patch_exist():
+    from torch._dynamo.callback import callback_handler
+
+    assert isinstance(callback_handler.end_callbacks, list)
+    handlers = _compat._dtensor_dispatcher()._custom_op_handlers
+    assert torch.ops.aten.convolution.default in handlers
+    _compat._clear_dtensor_sharding_caches()  # callable on this torch
+    _compat.install_dynamo_tracing_fallback()
+    wrapped = handlers[torch.ops.aten.convolution.default]
+    assert hasattr(wrapped, "_dynamo_dist_original")  # installed once, not stacked
+    _compat.install_dynamo_tracing_fallback()
+    assert handlers[torch.ops.aten.convolution.default] is wrapped

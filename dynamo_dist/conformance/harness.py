@@ -113,7 +113,7 @@ def _unwrap_error(exc: BaseException) -> BaseException:
     while seen is not None:
         if isinstance(seen, DistCompileError):
             return seen
-        seen = getattr(seen, "inner_exception", None) or seen.__cause__
+        seen = getattr(seen, "inner_exception", None) or seen.__cause__ or seen.__context__
     return exc
 
 
@@ -148,11 +148,15 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh) -> tuple[str,
     names = [f"a{k}" for k in range(len(inputs))]
     fn = _positional(op_fn, names)
     try:
-        torch.compile(fn, backend="dist", options={"inductor": False})(*inputs)
+        torch.compile(fn, backend=_compile_only, fullgraph=True)(*inputs)
+    except _Compiled:
+        pass
     except Exception as exc:  # noqa: BLE001  (classified, not hidden)
         err = _unwrap_error(exc)
         if isinstance(err, DistCompileError):
             return "error", "", str(err).splitlines()[0][:200]
+        if isinstance(err, torch._dynamo.exc.Unsupported) or "graph break" in str(exc).lower():
+            return "break", "", _short(exc)
         return "crash", "", _short(exc)
     records = compile_records()
     if len(records) != 1:
@@ -193,6 +197,25 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh) -> tuple[str,
     if record.plan.fallbacks:
         detail = detail or record.plan.fallbacks[0][:200]
     return fwd, bwd, detail
+
+
+class _Compiled(Exception):
+    """Raised instead of running the compiled program: the fake process group moves no data,
+    so its values would be garbage (simulate.run_spmd runs it for real)."""
+
+
+def _compile_only(gm, example_inputs):
+    from dynamo_dist.backend import dist_backend
+
+    dist_backend(gm, example_inputs, {"inductor": False})
+
+    def stop(*args):
+        raise _Compiled()
+
+    return stop
+
+
+_compile_only._dynamo_dist_backend = True  # Dynamo traces it as the dist backend (see _compat)
 
 
 def _positional(op_fn, names: Sequence[str]):

@@ -101,7 +101,7 @@ class _Groups:
 def _collective(target, args_by_rank: dict, groups: _Groups) -> dict:
     out = {}
     for coord, args in args_by_rank.items():
-        x, group_name = args[0], args[-1]
+        group_name = args[-1]
         peers = [args_by_rank[m][0] for m in groups.members(group_name, coord)]
         k = groups.members(group_name, coord).index(coord)
         if target is c10d.all_gather_into_tensor.default:

@@ -121,6 +121,8 @@ def _linear_sets(node: fx.Node, n_tensors: int) -> list[tuple[int, ...]]:
 
 
 def pointwise_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
+    if isinstance(node.meta["val"], (tuple, list)):
+        return _pointwise_multi_output(node, mesh_shape)
     targs = tensor_args(node)
     in_shapes = [val_shape(a) for a in targs]
     out_shape = val_shape(node)
@@ -139,6 +141,22 @@ def pointwise_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]
         ins = tuple(Partial("sum") if i in group else Replicate() for i in range(n))
         options.append((ins, Partial("sum")))
     return expand_to_mesh(options, mesh_shape, in_shapes, out_shape, "pointwise")
+
+
+def _pointwise_multi_output(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
+    """frexp-like ops: every output (all of one shape) split like the inputs; no Partial."""
+    targs = tensor_args(node)
+    in_shapes = [val_shape(a) for a in targs]
+    out_shapes = [tuple(v.shape) for v in node.meta["val"]]
+    nd = len(out_shapes[0])
+    options = [(tuple(Replicate() for _ in targs), tuple(Replicate() for _ in out_shapes))]
+    for d in range(nd):
+        ins = []
+        for s in in_shapes:
+            k = d - (nd - len(s))
+            ins.append(Shard(k) if k >= 0 and s[k] == out_shapes[0][d] else Replicate())
+        options.append((tuple(ins), tuple(Shard(d) for _ in out_shapes)))
+    return expand_multi_output(options, mesh_shape, in_shapes, out_shapes, "pointwise")
 
 
 # ---------------------------------------------------------------------------------------------
