@@ -151,9 +151,17 @@ def install_dynamo_tracing_fallback() -> None:
 
         if not _are_we_tracing() or not dist_backend_is_tracing():
             return original(op_schema)
+        if op_schema.is_inplace_op() or op_schema.is_out_variant_op():
+            # the written tensor keeps its own placement (its local fake can't change shape)
+            return original(op_schema)
         rep = OpSchema(op_schema.op, tuple(replicated(a) for a in op_schema.args_schema),
                        {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},
                        schema_info=op_schema.schema_info)
+        op = op_schema.op
+        if torch.Tag.dynamic_output_shape in op.tags or torch.Tag.data_dependent_output in op.tags:
+            raise _untraceable(op_schema, RuntimeError(
+                "its output shape or value depends on tensor data, which a plan made at "
+                "compile time cannot know"))
         state["substituted"] = True
         if forget not in callback_handler.end_callbacks:  # torch._dynamo.reset() clears them
             callback_handler.register_end_callback(forget)

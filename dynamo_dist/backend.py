@@ -186,7 +186,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     for i in program.local_outputs:  # to_local()/full_tensor() outputs: plain local tensors
         placements[i] = None
     step = DistStep(program.inputs, joint, mesh, primal_pl, placements, shapes,
-                    program.diff_outputs if has_bwd else [])
+                    program.diff_outputs if has_bwd else [], program.mutated_inputs)
     _RECORDS.append(CompileRecord(plan, ledger, seconds, program, step))
     _dump(len(_RECORDS), mesh, program, plan, joint)
     log.info("dynamo_dist: compiled graph (%s); %d collectives", 

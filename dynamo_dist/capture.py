@@ -64,6 +64,9 @@ class JointProgram:
     out_spec: Any
     mesh: DeviceMesh | None
     local_outputs: list[int] = dataclasses.field(default_factory=list)  # returned as plain tensors
+    # primal index of each input the program updates in place; its new value is forward output
+    # num_fwd_outputs - len(mutated_inputs) + j, written back by the runtime
+    mutated_inputs: list[int] = dataclasses.field(default_factory=list)
 
 
 def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[InputInfo]:
@@ -239,13 +242,56 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
         )(primals, tangents)
         if _mutates(joint_gm):
             joint_gm = _functionalize(joint_gm, primals, tangents)
-    _check_functional(joint_gm)
+    mutated = _lift_input_mutations(joint_gm, len(flat_outs), mesh, tensor_infos)
+    names = {f"primals_{k + 1}": info.name for k, info in enumerate(tensor_infos)}
+    _check_functional(joint_gm, names)
     joint_gm.graph.eliminate_dead_code()
     joint_gm.recompile()
     out_args = pytree.tree_leaves(next(iter(gm.graph.find_nodes(op="output"))).args[0])
     local = [i for i, a in enumerate(out_args) if isinstance(a, fx.Node) and a.name in local_outputs]
-    return JointProgram(joint_gm, infos, tensor_infos, len(flat_outs), diff_outputs, out_spec, mesh,
-                        local)
+    return JointProgram(joint_gm, infos, tensor_infos, len(flat_outs) + len(mutated), diff_outputs,
+                        out_spec, mesh, local, mutated)
+
+
+def _lift_input_mutations(gm: fx.GraphModule, num_user_outputs: int, mesh,
+                          tensor_infos: Sequence[InputInfo]) -> list[int]:
+    """Turn each ``copy_(input, new)`` that functionalisation left at the end of the graph into
+    an extra forward output (after the user's), pinned to the input's placement; the runtime
+    writes it back into the input (as AOTAutograd does for input mutations). Inputs that
+    require grad are left alone (``_check_functional`` rejects them). Returns the primal index
+    of each lifted mutation, in output order."""
+    from inductor_passes.sharding.placements import plannable, replicate
+
+    from .annotations import CONSTRAINT_OP, encode_spec
+
+    out_node = next(iter(gm.graph.find_nodes(op="output")))
+    outs = list(out_node.args[0])
+    mutated, written = [], []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
+            continue
+        dst = node.args[0]
+        if dst.op != "placeholder" or not dst.name.startswith("primals_") or node.users:
+            continue
+        k = int(dst.name.split("_")[1]) - 1
+        info = tensor_infos[k]
+        if info.requires_grad:
+            continue
+        value = node.args[1]
+        if mesh is not None:
+            pls = replicate(mesh.ndim) if info.placements is None else \
+                plannable(info.shape, info.placements, tuple(mesh.shape))[0]
+            with gm.graph.inserting_before(out_node):
+                pinned = gm.graph.call_function(CONSTRAINT_OP, (value, encode_spec(mesh, pls)))
+            pinned.meta.update(value.meta)
+            value = pinned
+        gm.graph.erase_node(node)
+        mutated.append(k)
+        written.append(value)
+    if mutated:
+        out_node.args = (tuple(outs[:num_user_outputs] + written + outs[num_user_outputs:]),)
+        gm.recompile()
+    return mutated
 
 
 def _mutates(gm: fx.GraphModule) -> bool:
@@ -267,11 +313,20 @@ def _functionalize(joint_gm: fx.GraphModule, primals, tangents) -> fx.GraphModul
         primals, tangents)
 
 
-def _check_functional(gm: fx.GraphModule) -> None:
+def _check_functional(gm: fx.GraphModule, input_names: dict[str, str]) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             if node.target._schema.is_mutable:
+                target = node.args[0] if node.args else None
+                what = (f"updates its input {input_names.get(target.name, target.name)} "
+                        f"({tuple(target.meta['val'].shape)}, "
+                        f"global) in place" if isinstance(target, fx.Node) and
+                        target.op == "placeholder" else "updates a tensor in place")
                 raise DistCompileError(
-                    f"the traced program still mutates a tensor with {node.target} at {node.name}",
-                    fix="avoid in-place updates of graph inputs inside the compiled region",
+                    f"the compiled program {what} with {node.target} (at {node.name}); input "
+                    f"mutation is not supported by the dist backend yet",
+                    op=node.target, source=user_source(node),
+                    fix="return the new value instead of updating the input, or do the update "
+                        "outside the compiled region (BatchNorm running statistics: "
+                        "track_running_stats=False, or eval mode)",
                 )

@@ -51,7 +51,8 @@ class DistStep:
 
     def __init__(self, inputs: Sequence[InputInfo], joint: CompiledJoint, mesh,
                  input_placements: Sequence[Placements], output_placements: Sequence[Any],
-                 output_shapes: Sequence[Any], diff_outputs: Sequence[int]) -> None:
+                 output_shapes: Sequence[Any], diff_outputs: Sequence[int],
+                 mutated_inputs: Sequence[int] = ()) -> None:
         self.inputs = list(inputs)
         self.joint = joint
         self.mesh = mesh
@@ -64,6 +65,9 @@ class DistStep:
         # per call: which inputs are tensors, and the placement the plan wants for each
         self._tensor_inputs = list(zip([i for i in self.inputs if i.kind != "constant"],
                                        self.input_placements))
+        # inputs the program updates in place: their new values are the last forward outputs
+        self.mutated_inputs = list(mutated_inputs)
+        self.num_user_outputs = len(self.output_placements) - len(self.mutated_inputs)
 
     def __call__(self, *args):
         local = []
@@ -75,6 +79,8 @@ class DistStep:
                 x = x.to_local()
             local.append(x)
         outs = _DistFunction.apply(self, *local)
+        self._write_back(args, outs[self.num_user_outputs:])
+        outs = outs[:self.num_user_outputs]
         wrapped = []
         for o, pl, shape, stride in zip(outs, self.output_placements, self.output_shapes,
                                         self.output_strides):
@@ -83,3 +89,16 @@ class DistStep:
                                        stride=stride)
             wrapped.append(o)
         return tuple(wrapped)
+
+    def _write_back(self, args, new_values) -> None:
+        """Input mutations: copy each new value (local, in the input's planned placement) into
+        the caller's tensor; DTensor's copy_ moves it to the input's own placement if needed."""
+        for k, new in zip(self.mutated_inputs, new_values):
+            info, pl = self._tensor_inputs[k]
+            x = args[info.index]
+            with torch.no_grad():
+                if isinstance(x, DTensor):
+                    x.copy_(DTensor.from_local(new, self.mesh, pl, run_check=False,
+                                               shape=x.shape, stride=x.stride()))
+                else:
+                    x.copy_(new)

@@ -76,4 +76,5 @@ def test_input_mutation_is_rejected(fake_mesh):
 
     with pytest.raises(Exception) as e:
         torch.compile(step, backend="dist", options={"inductor": False})(torch.randn(2, 4))
-    assert "mutates" in str(e.value) and "fix:" in str(e.value)
+    assert "in place" in str(e.value) and "input mutation" in str(e.value)
+    assert "fix:" in str(e.value)

@@ -121,6 +121,11 @@ def _collective(target, args_by_rank: dict, groups: _Groups) -> dict:
     return out
 
 
+def _seeded(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and \
+        torch.Tag.nondeterministic_seeded in target.tags
+
+
 def run_lockstep(graphs: dict[tuple[int, ...], fx.GraphModule], inputs: dict[tuple[int, ...], list],
                  groups: _Groups) -> dict[tuple[int, ...], list]:
     """Interpret one local graph per rank in lock step; returns each rank's flat outputs."""
@@ -148,6 +153,12 @@ def run_lockstep(graphs: dict[tuple[int, ...], fx.GraphModule], inputs: dict[tup
             res = _collective(node0.target, {c: a[0] for c, a in args.items()}, groups)
         elif node0.target is c10d.wait_tensor.default:
             res = {c: a[0][0] for c, a in args.items()}
+        elif _seeded(node0.target):
+            # every rank has its own generator, seeded alike: each draws from the same state
+            state, res = torch.get_rng_state(), {}
+            for c, a in args.items():
+                torch.set_rng_state(state)
+                res[c] = node0.target(*a[0], **a[1])
         else:
             res = {c: node0.target(*a[0], **a[1]) for c, a in args.items()}
         for c in graphs:
