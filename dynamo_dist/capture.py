@@ -12,6 +12,7 @@ placeholders ``primals_1..n`` then ``tangents_1..m``; outputs ``(*forward_output
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Sequence
 
@@ -209,7 +210,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
         return out
 
     # Forward once on fakes to learn which outputs are differentiable.
-    with fake_mode, torch.enable_grad():
+    with fake_mode, torch.enable_grad(), _leaf_mutation_explained(tensor_infos):
         outs = run_forward(*primals)
     flat_outs, out_spec = pytree.tree_flatten(outs)
     diff_outputs = [i for i, o in enumerate(flat_outs)
@@ -234,14 +235,16 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
 
     decomp = _compat.select_decomp_table()
     with _compat.disable_local_tensor_mode():
-        joint_gm = _compat.make_fx(
-            joint,
-            decomposition_table=decomp,
-            tracing_mode="fake",
-            record_stack_traces=True,
-        )(primals, tangents)
+        with _leaf_mutation_explained(tensor_infos):
+            joint_gm = _compat.make_fx(
+                joint,
+                decomposition_table=decomp,
+                tracing_mode="fake",
+                record_stack_traces=True,
+            )(primals, tangents)
         if _mutates(joint_gm):
-            joint_gm = _functionalize(joint_gm, primals, tangents)
+            with _leaf_mutation_explained(tensor_infos):
+                joint_gm = _functionalize(joint_gm, primals, tangents)
     mutated = _lift_input_mutations(joint_gm, len(flat_outs), mesh, tensor_infos)
     names = {f"primals_{k + 1}": info.name for k, info in enumerate(tensor_infos)}
     _check_functional(joint_gm, names)
@@ -292,6 +295,23 @@ def _lift_input_mutations(gm: fx.GraphModule, num_user_outputs: int, mesh,
         out_node.args = (tuple(outs[:num_user_outputs] + written + outs[num_user_outputs:]),)
         gm.recompile()
     return mutated
+
+
+@contextlib.contextmanager
+def _leaf_mutation_explained(tensor_infos: Sequence[InputInfo]):
+    """autograd's "leaf Variable ... in-place operation" as a DistCompileError naming inputs."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "in-place operation" not in str(exc):
+            raise
+        grads = [i.name for i in tensor_infos if i.requires_grad]
+        raise DistCompileError(
+            "the compiled program updates a tensor that requires grad in place (input mutation "
+            "is not supported for tensors that require grad; candidates: " +
+            ", ".join(grads[:6]) + (" ..." if len(grads) > 6 else "") + ")",
+            fix="update parameters outside the compiled region (as an optimizer step does); "
+                "buffers that do not require grad may be updated in place") from exc
 
 
 def _mutates(gm: fx.GraphModule) -> bool:

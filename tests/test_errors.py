@@ -65,16 +65,20 @@ def test_tensors_on_different_meshes(fake_mesh):
     assert "different device meshes" in str(e.value) and "'a'" in str(e.value)
 
 
-def test_input_mutation_is_rejected(fake_mesh):
+def test_in_place_update_of_a_parameter_is_rejected(fake_mesh):
+    """Buffers may be updated in place (tests/test_mutation.py); a tensor that requires grad may
+    not: autograd through an input mutation is not supported."""
     mesh = fake_mesh((2,), ("tp",))
     m = shard_module(Tiny(), mesh, ShardingPlan(plan={"fc.weight": {"tp": Shard(0)}}))
     m.register_buffer("steps", torch.zeros(()))
 
     def step(x):
-        m.steps.add_(1)  # an in-place update of a graph input
+        m.steps.add_(1)  # fine: a buffer
+        with torch.no_grad():
+            m.fc.bias.mul_(0.5)  # a parameter (requires grad) updated inside the program
         return m(x)
 
     with pytest.raises(Exception) as e:
         torch.compile(step, backend="dist", options={"inductor": False})(torch.randn(2, 4))
     assert "in place" in str(e.value) and "input mutation" in str(e.value)
-    assert "fix:" in str(e.value)
+    assert "fc" in str(e.value) and "fix:" in str(e.value)

@@ -315,13 +315,13 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
         return index_put_accumulate_strategy(node, mesh_shape)
     if op is aten.slice_scatter.default:
         return slice_scatter_strategy(node, mesh_shape)
+    if op in _ATTENTION:  # seeded (dropout) too: its rule replicates only then
+        return attention_strategy(node, mesh_shape)
     if isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags:
         # Random draws (bernoulli for dropout, rand, normal, ...) run replicated: every rank draws
         # the GLOBAL tensor from its own generator and consumers slice it. With the same seed on
         # every rank this gives the same numbers as one device; a sharded draw would not.
         return [replicated_spec(node, ndim, "random")]
-    if op in _ATTENTION:
-        return attention_strategy(node, mesh_shape)
     if is_pointwise(op):
         return pointwise_strategy(node, mesh_shape)
     from .dtensor_adapter import dtensor_strategy
