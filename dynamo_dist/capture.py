@@ -144,6 +144,15 @@ class _GlobalInterpreter(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target is torch.matmul and not kwargs and wants_matmul_nd(*args):
             return matmul_nd(*args)
+        if isinstance(kwargs.get("out"), torch.Tensor):
+            # f(..., out=o) as o.copy_(f(...)): functionalisation then removes the copy
+            # (decompositions of some out= overloads do not accept ``out`` themselves)
+            out = kwargs["out"]
+            value = super().call_function(target, args, {k: v for k, v in kwargs.items()
+                                                         if k != "out"})
+            if out.shape != value.shape:
+                out.resize_(value.shape)
+            return out.copy_(value)
         return super().call_function(target, args, kwargs)
 
     def call_method(self, target, args, kwargs):
@@ -233,7 +242,10 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
                 grads[k] = g
         return (*flat, *grads)
 
-    decomp = _compat.select_decomp_table()
+    # out= overloads stay as they are (functionalisation rewrites them); their decompositions
+    # call the functional op with out= and fail
+    decomp = {op: fn for op, fn in _compat.select_decomp_table().items()
+              if not (hasattr(op, "_schema") and any(a.is_out for a in op._schema.arguments))}
     with _compat.disable_local_tensor_mode():
         with _leaf_mutation_explained(tensor_infos):
             joint_gm = _compat.make_fx(
