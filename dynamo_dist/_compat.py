@@ -101,6 +101,12 @@ def allow_implicit_replication(enabled: bool = True) -> None:
     DTensor._op_dispatcher._allow_implicit_replication = enabled
 
 
+def implicit_replication_enabled() -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return bool(DTensor._op_dispatcher._allow_implicit_replication)
+
+
 
 
 

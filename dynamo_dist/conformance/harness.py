@@ -131,6 +131,7 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh) -> tuple[str,
     from dynamo_dist.errors import DistCompileError
 
     grad_inputs = [k for k, t in enumerate(tensors) if t.requires_grad]
+    before = [t.detach().clone() for t in tensors]  # the reference may update inputs in place
     ref_out = op_fn(*tensors)
     ref_flat = [o for o in pytree.tree_leaves(ref_out)]
     diff = [i for i, o in enumerate(ref_flat) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -144,10 +145,17 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh) -> tuple[str,
 
     torch._dynamo.reset()
     clear_compile_records()
-    inputs = [_as_dtensor(t, mesh, pls) for t, pls in zip(tensors, placements)]
+    inputs = [_as_dtensor(b.requires_grad_(t.requires_grad), mesh, pls)
+              for b, t, pls in zip(before, tensors, placements)]
     names = [f"a{k}" for k in range(len(inputs))]
     fn = _positional(op_fn, names)
+    from dynamo_dist import _compat
+
+    implicit = _compat.implicit_replication_enabled()
     try:
+        # plain tensors are global values in our semantics (shard_module turns this on; here,
+        # for the compile only, so the DTensor peer below runs as stock DTensor)
+        _compat.allow_implicit_replication(True)
         torch.compile(fn, backend=_compile_only, fullgraph=True)(*inputs)
     except _Compiled:
         pass
@@ -158,6 +166,8 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh) -> tuple[str,
         if isinstance(err, torch._dynamo.exc.Unsupported) or "graph break" in str(exc).lower():
             return "break", "", _short(exc)
         return "crash", "", _short(exc)
+    finally:
+        _compat.allow_implicit_replication(implicit)
     records = compile_records()
     if len(records) != 1:
         return "break", "", f"{len(records)} graphs reached the backend"
@@ -174,7 +184,7 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh) -> tuple[str,
         return "crash", "", f"differentiable outputs {record.program.diff_outputs} vs {diff}"
     tangents = [cot[j] for j in record.program.diff_outputs]
     try:
-        outs, grads = run_spmd(record, [tensors[k].detach() for k in order],
+        outs, grads = run_spmd(record, [before[k].detach() for k in order],
                                tangents if ref_grads is not None else None, mesh)
     except ReplicaMismatch as exc:
         return "wrong", "", str(exc)
@@ -183,7 +193,12 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh) -> tuple[str,
         if isinstance(err, DistCompileError):
             return "error", "", str(err).splitlines()[0][:200]
         return "crash", "", _short(exc)
-    fwd_ok = len(outs) == len(ref_flat) and all(_close(o, r.detach() if isinstance(r, torch.Tensor)
+    # inputs the program updated in place: their new values follow the user's outputs
+    n_mut = len(record.program.mutated_inputs)
+    outs, written = outs[:len(outs) - n_mut], outs[len(outs) - n_mut:]
+    mut_ok = all(_close(v, tensors[order[k]].detach())
+                 for k, v in zip(record.program.mutated_inputs, written))
+    fwd_ok = mut_ok and len(outs) == len(ref_flat) and all(_close(o, r.detach() if isinstance(r, torch.Tensor)
                                                        else r) for o, r in zip(outs, ref_flat))
     good = "fallback" if record.plan.fallbacks else "pass"
     fwd = good if fwd_ok else "wrong"
