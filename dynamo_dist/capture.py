@@ -345,7 +345,23 @@ def _functionalize(joint_gm: fx.GraphModule, primals, tangents) -> fx.GraphModul
         primals, tangents)
 
 
+def _check_static(gm: fx.GraphModule) -> None:
+    """Plans are made for known shapes; a value whose shape depends on tensor data (nonzero,
+    boolean-mask indexing) cannot be planned."""
+    for node in gm.graph.nodes:
+        vals = node.meta.get("val")
+        for v in (vals if isinstance(vals, (tuple, list)) else [vals]):
+            if isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape):
+                raise DistCompileError(
+                    f"{node.target} at {node.name} produces a tensor whose shape depends on "
+                    f"tensor values ({tuple(v.shape)}); the dist backend plans static shapes",
+                    op=node.target, source=user_source(node),
+                    fix="index with integer tensors instead of boolean masks, or compute this "
+                        "part outside the compiled region")
+
+
 def _check_functional(gm: fx.GraphModule, input_names: dict[str, str]) -> None:
+    _check_static(gm)
     for node in gm.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             if node.target._schema.is_mutable:
