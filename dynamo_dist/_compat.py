@@ -159,7 +159,12 @@ def install_dynamo_tracing_fallback() -> None:
             return original(op_schema)
         if op_schema.is_inplace_op() or op_schema.is_out_variant_op():
             # the written tensor keeps its own placement (its local fake can't change shape)
-            return original(op_schema)
+            try:
+                return original(op_schema)
+            except NotImplementedError as exc:
+                if _all_replicated(op_schema):  # all replicated: metadata from fakes
+                    return OutputSharding(_replicated_output_specs(prop, op_schema))
+                raise _untraceable(op_schema, exc) from exc
         rep = OpSchema(op_schema.op, tuple(replicated(a) for a in op_schema.args_schema),
                        {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},
                        schema_info=op_schema.schema_info)
@@ -217,6 +222,11 @@ def _clear_dtensor_sharding_caches() -> None:
             clear_cpp()
         return
     _clear_sharding_prop_cache()
+
+
+def _all_replicated(op_schema) -> bool:
+    """Every DTensor argument of ``op_schema`` is replicated on every mesh axis."""
+    return all(p.is_replicate() for spec in op_schema.args_spec for p in spec.placements)
 
 
 def _dtensor_dispatcher():
