@@ -148,7 +148,7 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh) -> tuple[str,
     inputs = [_as_dtensor(b.requires_grad_(t.requires_grad), mesh, pls)
               for b, t, pls in zip(before, tensors, placements)]
     names = [f"a{k}" for k in range(len(inputs))]
-    fn = _positional(op_fn, names)
+    fn = _positional(getattr(op_fn, "traceable", op_fn), names)
     from dynamo_dist import _compat
 
     implicit = _compat.implicit_replication_enabled()
@@ -184,6 +184,8 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh) -> tuple[str,
         return "crash", "", f"differentiable outputs {record.program.diff_outputs} vs {diff}"
     tangents = [cot[j] for j in record.program.diff_outputs]
     try:
+        if hasattr(op_fn, "traceable"):
+            torch.manual_seed(42)  # as wrapper_set_seed did for the reference
         outs, grads = run_spmd(record, [before[k].detach() for k in order],
                                tangents if ref_grads is not None else None, mesh)
     except ReplicaMismatch as exc:
@@ -291,6 +293,28 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {head[:160]}{where}"
 
 
+def _traceable_op(opinfo):
+    """The torch function behind an OpInfo whose ``op`` is a lambda in torch.testing around
+    ``wrapper_set_seed`` (dropout, SDPA, in-place random ops): Dynamo skips that file, so the
+    harness compiles the function itself and seeds like the wrapper (42). None otherwise."""
+    code = getattr(opinfo.op, "__code__", None)
+    if code is None or "torch/testing" not in code.co_filename.replace("\\", "/") or \
+            "wrapper_set_seed" not in code.co_names:
+        return None
+    for root in (torch, torch.Tensor):
+        obj = root
+        for part in opinfo.name.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if obj is not None and callable(obj):
+            return obj
+        inplace = getattr(torch.Tensor, opinfo.name + "_", None)
+        if root is torch.Tensor and inplace is not None:
+            return inplace
+    return None
+
+
 def cases_for(opinfo, mesh, max_samples: int, max_cases: int) -> Iterator[tuple[Case, Any, list]]:
     """(Case, op function, global input tensors) for the first samples of ``opinfo``."""
     samples = opinfo.sample_inputs("cpu", torch.float32, requires_grad=opinfo.supports_autograd)
@@ -304,6 +328,14 @@ def cases_for(opinfo, mesh, max_samples: int, max_cases: int) -> Iterator[tuple[
         def op_fn(*ts, rebuild=rebuild):
             inp, args, kwargs = rebuild(list(ts))
             return opinfo.op(inp, *args, **kwargs)
+
+        direct = _traceable_op(opinfo)
+        if direct is not None:
+            def traced(*ts, rebuild=rebuild, direct=direct):
+                inp, args, kwargs = rebuild(list(ts))
+                return direct(inp, *args, **kwargs)
+
+            op_fn.traceable = traced  # compiled instead of the seeded wrapper (same seed: 42)
 
         shapes = tuple(tuple(t.shape) for t in tensors)
         for pls in placement_options(shapes, [t.dtype for t in tensors], tuple(mesh.shape),
