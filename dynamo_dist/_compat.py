@@ -165,6 +165,8 @@ def install_dynamo_tracing_fallback() -> None:
                 if _all_replicated(op_schema):  # all replicated: metadata from fakes
                     return OutputSharding(_replicated_output_specs(prop, op_schema))
                 raise _untraceable(op_schema, exc) from exc
+            except Exception as exc:  # e.g. writing into a Partial value
+                raise _untraceable(op_schema, exc) from exc
         rep = OpSchema(op_schema.op, tuple(replicated(a) for a in op_schema.args_schema),
                        {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},
                        schema_info=op_schema.schema_info)

@@ -304,7 +304,12 @@ def _lift_input_mutations(gm: fx.GraphModule, num_user_outputs: int, mesh,
         mutated.append(k)
         written.append(value)
     if mutated:
-        out_node.args = (tuple(outs[:num_user_outputs] + written + outs[num_user_outputs:]),)
+        new_outs = tuple(outs[:num_user_outputs] + written + outs[num_user_outputs:])
+        out_node.args = (new_outs,)
+        codegen = gm.graph._codegen  # the pytree calling convention must count the new outputs
+        if getattr(codegen, "pytree_info", None) is not None:
+            codegen.pytree_info = codegen.pytree_info._replace(
+                out_spec=pytree.tree_structure(tuple(range(len(new_outs)))))
         gm.recompile()
     return mutated
 

@@ -86,7 +86,7 @@ def expand_multi_output(options, mesh_shape: Sequence[int], in_shapes, out_shape
 _EXTRA_POINTWISE = {
     prims.convert_element_type.default, prims.fma.default, aten.clone.default,
     aten.alias.default, aten._to_copy.default, aten.where.self, aten.masked_fill.Scalar,
-    aten.masked_fill.Tensor, aten.fill.Scalar,
+    aten.masked_fill.Tensor, aten.fill.Scalar, aten.copy.default,
 }
 # Ops linear in a set of arguments jointly: Partial(sum/avg) in exactly those (all others
 # Replicate) gives a Partial output. add(P, P) = P; mul(P, R) = P; add(P, 1.0) is NOT linear.
@@ -97,6 +97,10 @@ _LINEAR_ANY_ONE = {aten.mul.Tensor}
 _LINEAR_FIRST = {aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.neg.default,
                  aten.clone.default, aten.alias.default, prims.convert_element_type.default,
                  aten._to_copy.default}
+
+
+def is_random(op) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
 
 
 def is_pointwise(op) -> bool:
@@ -304,6 +308,11 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
     pinned = constraint_of(node)
     if pinned is not None:
         return [OpSpec((pinned,), pinned, "constraint")]
+    if is_random(op) and op not in _ATTENTION:  # SDPA's own rule handles its dropout
+        # Random draws (bernoulli for dropout, rand, normal, ...) run replicated: every rank draws
+        # the GLOBAL tensor from its own generator and consumers slice it. With the same seed on
+        # every rank this gives the same numbers as one device; a sharded draw would not.
+        return [replicated_spec(node, ndim, "random")]
     if not tensor_args(node):
         return [replicated_spec(node, ndim, "factory")]
     if op in _EINSUM:
@@ -315,13 +324,8 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
         return index_put_accumulate_strategy(node, mesh_shape)
     if op is aten.slice_scatter.default:
         return slice_scatter_strategy(node, mesh_shape)
-    if op in _ATTENTION:  # seeded (dropout) too: its rule replicates only then
+    if op in _ATTENTION:
         return attention_strategy(node, mesh_shape)
-    if isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags:
-        # Random draws (bernoulli for dropout, rand, normal, ...) run replicated: every rank draws
-        # the GLOBAL tensor from its own generator and consumers slice it. With the same seed on
-        # every rank this gives the same numbers as one device; a sharded draw would not.
-        return [replicated_spec(node, ndim, "random")]
     if is_pointwise(op):
         return pointwise_strategy(node, mesh_shape)
     from .dtensor_adapter import dtensor_strategy
