@@ -223,10 +223,17 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh) -> tuple[str,
 def _one_device(record, args, tangents, order, grad_inputs):
     """(user outputs, new values of updated inputs, input gradients) of the compiled global
     program run on one device, seeded as the simulated ranks were."""
+    from dynamo_dist import _compat
+
     program = record.program
-    torch.manual_seed(42)
+    # decomposed as lowering decomposes the local graphs (a fused random op and its
+    # decomposition draw different numbers)
     with torch.no_grad():
-        res = torch.fx.Interpreter(program.graph_module).run(*args, *tangents)
+        one = _compat.make_fx(lambda *a: torch.fx.Interpreter(program.graph_module).run(*a),
+                              decomposition_table=_compat.select_decomp_table(),
+                              tracing_mode="fake")(*args, *tangents)
+        torch.manual_seed(42)
+        res = one(*args, *tangents)
     n_user = program.num_fwd_outputs - len(program.mutated_inputs)
     grads_by_arg = {order[i]: g for i, g in enumerate(res[program.num_fwd_outputs:])}
     grads = [grads_by_arg.get(k) for k in grad_inputs] if tangents else None

@@ -40,9 +40,7 @@ def shard_global(x: torch.Tensor, placements: Placements, coord: Sequence[int],
                  mesh_shape: Sequence[int]) -> torch.Tensor:
     """The local tensor of the rank at ``coord`` for GLOBAL ``x`` under ``placements``.
 
-    Shard splits evenly (the compiler plans even splits only); Partial(sum) gives rank k of the
-    axis the share (k+1)/(n(n+1)/2) of the value, so that a plan that forgets the reduction, or
-    reduces twice, is caught (equal shares could hide a missing average).
+    Shard splits like torch.chunk (uneven sizes included); Partial(sum) shares: ``_exact_share``.
     """
     out = x
     for axis, p in enumerate(placements):
@@ -51,8 +49,19 @@ def shard_global(x: torch.Tensor, placements: Placements, coord: Sequence[int],
             out = out.chunk(n, dim=p.dim)[c] if out.shape[p.dim] % n == 0 else \
                 _uneven(out, p.dim, n, c)
         elif isinstance(p, Partial):
-            out = out * ((c + 1) / (n * (n + 1) / 2))
+            out = _exact_share(out, c)
     return out.contiguous()
+
+
+def _exact_share(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Rank k's share of a Partial(sum) value: x = hi + lo exactly (hi: x rounded to a coarser
+    float type, lo: the rounding error, which the finer type holds exactly), on ranks 0 and 1;
+    zeros elsewhere. The shares differ (a forgotten reduction leaves replicas disagreeing, a
+    doubled one changes the value) and their sum is exact in any order, so ill-conditioned ops
+    (tan near a pole) are not reported wrong for rounding in the split."""
+    coarse = torch.bfloat16 if x.dtype == torch.float32 else torch.float32
+    hi = x.to(coarse).to(x.dtype)
+    return hi if k == 0 else (x - hi) if k == 1 else torch.zeros_like(x)
 
 
 def _uneven(x: torch.Tensor, dim: int, n: int, c: int) -> torch.Tensor:
@@ -185,6 +194,7 @@ def run_spmd(record, args: Sequence[torch.Tensor], tangents: Sequence[torch.Tens
     if len(tangents) != len(tangent_nodes):
         tangents = [torch.zeros(tuple(n.meta["val"].shape), dtype=n.meta["val"].dtype)
                     for n in tangent_nodes]
+    rng = torch.get_rng_state()  # random draws start from the caller's state, not lowering's
     graphs, inputs = {}, {}
     for coord in coordinates(mesh_shape):
         local_gm, _ = lower(gm, plan, mesh, program.num_fwd_outputs, coordinate=coord)
@@ -194,6 +204,7 @@ def run_spmd(record, args: Sequence[torch.Tensor], tangents: Sequence[torch.Tens
                         [shard_global(t, plan.placement(n.name), coord, mesh_shape)
                          for n, t in zip(tangent_nodes, tangents)]
     names = [mesh.get_group(i).group_name for i in range(mesh.ndim)]
+    torch.set_rng_state(rng)
     outs = run_lockstep(graphs, inputs, _Groups(names, mesh_shape))
     out_node = next(iter(gm.graph.find_nodes(op="output")))
     reqs = iter(plan.nodes[out_node.name].inputs)
