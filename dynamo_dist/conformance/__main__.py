@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", type=int, default=8, help="placement sets per sample (default 8)")
     ap.add_argument("--meshes", default="4,2x2", help="comma-separated mesh shapes")
     ap.add_argument("--no-dtensor", action="store_true", help="skip the DTensor eager peer")
+    ap.add_argument("--jobs", type=int, default=2, help="meshes run in parallel processes")
     ap.add_argument("--out", default="docs/op_coverage.md")
     ap.add_argument("--json", default="docs/op_coverage.json")
     args = ap.parse_args(argv)
@@ -51,7 +52,6 @@ def main(argv=None) -> int:
     import torch
     from torch.testing._internal.common_methods_invocations import op_db
 
-    from .harness import run_case, cases_for
     from .report import write_report
 
     logging.getLogger("dynamo_dist").setLevel(logging.ERROR)
@@ -60,6 +60,46 @@ def main(argv=None) -> int:
     wanted = set(FAST_OPS) if args.fast else set(args.ops or ())
     ops = [o for o in op_db if torch.float32 in o.supported_dtypes("cpu")
            and (not wanted or o.name in wanted)]
+    if args.jobs > 1 and "," in args.meshes:
+        results = _run_meshes_in_parallel(args, argv)
+    else:
+        results = _run(args, ops)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump([r.to_json() for r in results], f, indent=0)
+    summary = write_report(results, args.out, " ".join(sys.argv[1:]) or "(full sweep)")
+    print(summary)
+    return 0
+
+
+def _run_meshes_in_parallel(args, argv):
+    """One process per mesh (each its own fake process group), results merged."""
+    import subprocess
+    import tempfile
+
+    from .harness import Case
+
+    argv = list(argv if argv is not None else sys.argv[1:])
+    procs, paths = [], []
+    tmp = tempfile.mkdtemp(prefix="op_coverage_")
+    for mesh_text in args.meshes.split(","):
+        path = os.path.join(tmp, f"{mesh_text}.json")
+        cmd = [sys.executable, "-m", "dynamo_dist.conformance", *argv, "--jobs", "1",
+               "--meshes", mesh_text, "--json", path, "--out", path + ".md"]
+        procs.append(subprocess.Popen(cmd))
+        paths.append(path)
+    if any(p.wait() != 0 for p in procs):
+        raise SystemExit("a mesh's sweep failed (see its output above)")
+    results = []
+    for path in paths:
+        with open(path) as f:
+            results += [Case.from_json(d) for d in json.load(f)]
+    return results
+
+
+def _run(args, ops):
+    from .harness import cases_for, run_case
+
     results = []
     t0 = time.time()
     for mesh_text in args.meshes.split(","):
@@ -78,12 +118,7 @@ def main(argv=None) -> int:
             done = [r for r in results[-len(cases):]] if cases else []
             print(f"[{mesh_text} {k + 1}/{len(ops)} {time.time() - t0:6.0f}s] {opinfo.name}: "
                   + " ".join(sorted({r.ours for r in done})), file=sys.stderr, flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump([r.to_json() for r in results], f, indent=0)
-    summary = write_report(results, args.out, " ".join(sys.argv[1:]) or "(full sweep)")
-    print(summary)
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -51,6 +51,15 @@ class Case:
         d["placements"] = [fmt(p) for p in self.placements]
         return d
 
+    @classmethod
+    def from_json(cls, d: dict) -> "Case":
+        from inductor_passes.sharding.placements import parse
+
+        d = dict(d)
+        d["placements"] = tuple(parse(p) for p in d["placements"])
+        d["mesh"], d["shapes"] = tuple(d["mesh"]), tuple(tuple(s) for s in d["shapes"])
+        return cls(**d)
+
     @property
     def sharded(self) -> bool:
         return any(not isinstance(p, Replicate) for pls in self.placements for p in pls)
