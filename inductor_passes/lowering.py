@@ -39,7 +39,9 @@ SIZE_ARG = {
 
 # ops run differently on local shards: views may need a copy (a gathered or re-sliced shard can
 # have other strides than the global value had); our structure-keeping ops become plain torch.
-_LOCAL_IMPL = {aten.view.default: aten.reshape.default, MATMUL_ND: torch.matmul}
+_LOCAL_IMPL = {aten.view.default: aten.reshape.default, MATMUL_ND: torch.matmul,
+               # needs a unit-stride last dim, which a re-sliced shard may not have
+               aten.view_as_complex.default: lambda x: aten.view_as_complex(x.contiguous())}
 
 
 def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
