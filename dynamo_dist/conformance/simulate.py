@@ -60,8 +60,9 @@ def _exact_share(x: torch.Tensor, k: int) -> torch.Tensor:
     doubled one changes the value) and their sum is exact in any order, so ill-conditioned ops
     (tan near a pole) are not reported wrong for rounding in the split."""
     coarse = torch.bfloat16 if x.dtype == torch.float32 else torch.float32
-    hi = x.to(coarse).to(x.dtype)
-    return hi if k == 0 else (x - hi) if k == 1 else torch.zeros_like(x)
+    hi = torch.where(torch.isfinite(x), x.to(coarse).to(x.dtype), x)  # inf/nan: all on rank 0
+    lo = torch.where(torch.isfinite(x), x - hi, torch.zeros_like(x))
+    return hi if k == 0 else lo if k == 1 else torch.zeros_like(x)
 
 
 def _uneven(x: torch.Tensor, dim: int, n: int, c: int) -> torch.Tensor:
