@@ -107,9 +107,6 @@ def implicit_replication_enabled() -> bool:
     return bool(DTensor._op_dispatcher._allow_implicit_replication)
 
 
-
-
-
 def dist_backend_is_tracing() -> bool:
     """True while Dynamo traces a frame for the ``dist`` backend (not for any other backend)."""
     from torch._dynamo import symbolic_convert
@@ -123,6 +120,13 @@ def dist_backend_is_tracing() -> bool:
             return True
         fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
     return False
+
+
+def _dist_tracing() -> bool:
+    """Dynamo is tracing (fake values, possibly a proxy) a frame for the ``dist`` backend."""
+    from torch.distributed._functional_collectives import _are_we_tracing
+
+    return _are_we_tracing() and dist_backend_is_tracing()
 
 
 def install_dynamo_tracing_fallback() -> None:
@@ -153,9 +157,7 @@ def install_dynamo_tracing_fallback() -> None:
         return spec
 
     def propagate(op_schema):
-        from torch.distributed._functional_collectives import _are_we_tracing
-
-        if not _are_we_tracing() or not dist_backend_is_tracing():
+        if not _dist_tracing():
             return original(op_schema)
         if op_schema.is_inplace_op() or op_schema.is_out_variant_op():
             # the written tensor keeps its own placement (its local fake can't change shape)
@@ -167,14 +169,14 @@ def install_dynamo_tracing_fallback() -> None:
                 raise _untraceable(op_schema, exc) from exc
             except Exception as exc:  # e.g. writing into a Partial value
                 raise _untraceable(op_schema, exc) from exc
-        rep = OpSchema(op_schema.op, tuple(replicated(a) for a in op_schema.args_schema),
-                       {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},
-                       schema_info=op_schema.schema_info)
         op = op_schema.op
         if torch.Tag.dynamic_output_shape in op.tags or torch.Tag.data_dependent_output in op.tags:
             raise _untraceable(op_schema, RuntimeError(
                 "its output shape or value depends on tensor data, which a plan made at "
                 "compile time cannot know"))
+        rep = OpSchema(op, tuple(replicated(a) for a in op_schema.args_schema),
+                       {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},
+                       schema_info=op_schema.schema_info)
         state["substituted"] = True
         if forget not in callback_handler.end_callbacks:  # torch._dynamo.reset() clears them
             callback_handler.register_end_callback(forget)
@@ -239,11 +241,10 @@ def _dtensor_dispatcher():
 
 def _replicating_handler(handler):
     def run(op_call, args, kwargs):
-        from torch.distributed._functional_collectives import _are_we_tracing
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.placement_types import Replicate
 
-        if not _are_we_tracing() or not dist_backend_is_tracing():
+        if not _dist_tracing():
             return handler(op_call, args, kwargs)
         meshes = [a.device_mesh for a in pytree.tree_leaves((args, kwargs))
                   if isinstance(a, DTensor)]

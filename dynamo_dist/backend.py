@@ -21,14 +21,13 @@ import torch.fx as fx
 
 from inductor_passes.compile import compile_joint
 from inductor_passes.lowering import lower
-from inductor_passes.sharding.placements import (Placements, fmt, nbytes, normalize, plannable,
-                                                 replicate)
+from inductor_passes.sharding.placements import Placements, fmt, nbytes
 from inductor_passes.sharding.propagate import Plan, propagate
 
 from . import _compat
 from .agreement import plan_once
 from .annotations import CONSTRAINT_OP, data_axes, decode_spec, mesh_from_key
-from .capture import JointProgram, trace_joint
+from .capture import JointProgram, planned_input_placements, trace_joint
 from .errors import DistCompileError
 from .ledger import CollectiveLedger
 from .runtime import DistStep
@@ -106,13 +105,11 @@ def _constraints(gm: fx.GraphModule):
     return found
 
 
-def _input_placements(info, mesh) -> Placements:
-    """The placement the plan gives an input: its own, or, where the planner cannot hold that
-    (uneven or nested split), Replicate on those axes -- DTensor redistributes it exactly at the
-    boundary (and its gradient back). Returns (placements, the logged message or None)."""
-    if info.placements is None:
-        return replicate(mesh.ndim), None
-    pls, why = plannable(info.shape, normalize(info.placements, len(info.shape)), tuple(mesh.shape))
+def _input_placements(info, mesh) -> tuple[Placements, str | None]:
+    """``capture.planned_input_placements``, logged where it differs from the input's own: DTensor
+    redistributes such an input exactly at the boundary (and its gradient back). Returns
+    (placements, the logged message or None)."""
+    pls, why = planned_input_placements(info, tuple(mesh.shape))
     if not why:
         return pls, None
     msg = (f"input {info.name} {tuple(info.shape)} {fmt(info.placements)}: {'; '.join(why)}; it "

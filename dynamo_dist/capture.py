@@ -144,15 +144,6 @@ class _GlobalInterpreter(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target is torch.matmul and not kwargs and wants_matmul_nd(*args):
             return matmul_nd(*args)
-        if isinstance(kwargs.get("out"), torch.Tensor):
-            # f(..., out=o) as o.copy_(f(...)): functionalisation then removes the copy
-            # (decompositions of some out= overloads do not accept ``out`` themselves)
-            out = kwargs["out"]
-            value = super().call_function(target, args, {k: v for k, v in kwargs.items()
-                                                         if k != "out"})
-            if out.shape != value.shape:
-                out.resize_(value.shape)
-            return out.copy_(value)
         return super().call_function(target, args, kwargs)
 
     def call_method(self, target, args, kwargs):
@@ -193,7 +184,9 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
     """Trace ``gm`` forward+backward on global-shape fake tensors.
 
     Shapes: every placeholder and node value of the result carries its GLOBAL shape.
-    Raises DistCompileError when the program mutates an input (not supported yet).
+    In-place updates are functionalised; an updated input becomes an extra forward output
+    (``mutated_inputs``). Raises DistCompileError when an input that requires grad is updated in
+    place, or when a value's shape depends on tensor data.
     """
     infos = classify_inputs(gm, example_inputs)
     mesh = find_mesh(infos, example_inputs)
@@ -246,17 +239,15 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
     # call the functional op with out= and fail
     decomp = {op: fn for op, fn in _compat.select_decomp_table().items()
               if not (hasattr(op, "_schema") and any(a.is_out for a in op._schema.arguments))}
-    with _compat.disable_local_tensor_mode():
-        with _leaf_mutation_explained(tensor_infos):
-            joint_gm = _compat.make_fx(
-                joint,
-                decomposition_table=decomp,
-                tracing_mode="fake",
-                record_stack_traces=True,
-            )(primals, tangents)
+    with _compat.disable_local_tensor_mode(), _leaf_mutation_explained(tensor_infos):
+        joint_gm = _compat.make_fx(
+            joint,
+            decomposition_table=decomp,
+            tracing_mode="fake",
+            record_stack_traces=True,
+        )(primals, tangents)
         if _mutates(joint_gm):
-            with _leaf_mutation_explained(tensor_infos):
-                joint_gm = _functionalize(joint_gm, primals, tangents)
+            joint_gm = _functionalize(joint_gm, primals, tangents)
     mutated = _lift_input_mutations(joint_gm, len(flat_outs), mesh, tensor_infos)
     names = {f"primals_{k + 1}": info.name for k, info in enumerate(tensor_infos)}
     _check_functional(joint_gm, names)
@@ -268,6 +259,18 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
                         out_spec, mesh, local, mutated)
 
 
+def planned_input_placements(info: InputInfo,
+                             mesh_shape: Sequence[int]) -> tuple[tuple[Placement, ...], list[str]]:
+    """The placement the plan gives an input, and why it differs from the input's own: a plain
+    tensor is Replicate; a DTensor keeps its placement except on mesh axes the planner cannot
+    hold (``placements.plannable``: uneven or nested splits), which become Replicate."""
+    from inductor_passes.sharding.placements import normalize, plannable, replicate
+
+    if info.placements is None:
+        return replicate(len(mesh_shape)), []
+    return plannable(info.shape, normalize(info.placements, len(info.shape)), tuple(mesh_shape))
+
+
 def _lift_input_mutations(gm: fx.GraphModule, num_user_outputs: int, mesh,
                           tensor_infos: Sequence[InputInfo]) -> list[int]:
     """Turn each ``copy_(input, new)`` that functionalisation left at the end of the graph into
@@ -275,8 +278,6 @@ def _lift_input_mutations(gm: fx.GraphModule, num_user_outputs: int, mesh,
     writes it back into the input (as AOTAutograd does for input mutations). Inputs that
     require grad are left alone (``_check_functional`` rejects them). Returns the primal index
     of each lifted mutation, in output order."""
-    from inductor_passes.sharding.placements import plannable, replicate
-
     from .annotations import CONSTRAINT_OP, encode_spec
 
     out_node = next(iter(gm.graph.find_nodes(op="output")))
@@ -294,8 +295,7 @@ def _lift_input_mutations(gm: fx.GraphModule, num_user_outputs: int, mesh,
             continue
         value = node.args[1]
         if mesh is not None:
-            pls = replicate(mesh.ndim) if info.placements is None else \
-                plannable(info.shape, info.placements, tuple(mesh.shape))[0]
+            pls, _ = planned_input_placements(info, tuple(mesh.shape))
             with gm.graph.inserting_before(out_node):
                 pinned = gm.graph.call_function(CONSTRAINT_OP, (value, encode_spec(mesh, pls)))
             pinned.meta.update(value.meta)

@@ -45,3 +45,24 @@ def test_runtime_writes_the_new_value_back(fake_mesh):
         buf, distribute_tensor(torch.ones(4), mesh, [Shard(0)]))
     assert isinstance(out, DTensor)
     torch.testing.assert_close(buf.to_local(), before + 1)
+
+
+def test_out_argument_into_a_buffer(fake_mesh):
+    """``torch.mm(a, b, out=buf)``: the out= overload is not decomposed; functionalisation turns
+    it into a new value written back into ``buf``."""
+    mesh = fake_mesh((2,), ("tp",))
+    _compat.allow_implicit_replication(True)
+    a, b = torch.randn(4, 6), torch.randn(6, 4)
+
+    def f(a, b, buf):
+        torch.mm(a, b, out=buf)
+        return buf.sum() * 2
+
+    torch.compile(f, backend="dist", fullgraph=True, options={"inductor": False})(
+        distribute_tensor(a, mesh, [Shard(0)]), b, torch.zeros(4, 4))
+    record = compile_records()[-1]
+    assert len(record.program.mutated_inputs) == 1
+    by_name = {"L_a_": a, "L_b_": b, "L_buf_": torch.zeros(4, 4)}
+    outs, _ = run_spmd(record, [by_name[i.name] for i in record.program.primal_inputs], None, mesh)
+    torch.testing.assert_close(outs[0], (a @ b).sum() * 2)
+    torch.testing.assert_close(outs[1], a @ b)

@@ -354,14 +354,9 @@ def _traceable_op(opinfo):
         obj = root
         for part in opinfo.name.split("."):
             obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if obj is not None and callable(obj):
+        if callable(obj):
             return obj
-        inplace = getattr(torch.Tensor, opinfo.name + "_", None)
-        if root is torch.Tensor and inplace is not None:
-            return inplace
-    return None
+    return getattr(torch.Tensor, opinfo.name + "_", None)
 
 
 def cases_for(opinfo, mesh, max_samples: int, max_cases: int) -> Iterator[tuple[Case, Any, list]]:

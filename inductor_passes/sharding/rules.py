@@ -134,11 +134,7 @@ def pointwise_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]
     n = len(targs)
     options: list[AxisOption] = [(tuple(Replicate() for _ in targs), Replicate())]
     for d in range(nd):
-        ins = []
-        for s in in_shapes:
-            k = d - (nd - len(s))  # broadcasting aligns trailing dims
-            ins.append(Shard(k) if k >= 0 and s[k] == out_shape[d] else Replicate())
-        options.append((tuple(ins), Shard(d)))
+        options.append((_broadcast_shards(in_shapes, out_shape, d), Shard(d)))
     # Partial(avg) is kept by the same ops, but nothing here produces it except a mean, whose
     # consumers DTensor's rules cover; offering it on every pointwise op only grows the search.
     for group in _linear_sets(node, n):
@@ -152,15 +148,22 @@ def _pointwise_multi_output(node: fx.Node, mesh_shape: Sequence[int]) -> list[Op
     targs = tensor_args(node)
     in_shapes = [val_shape(a) for a in targs]
     out_shapes = [tuple(v.shape) for v in node.meta["val"]]
-    nd = len(out_shapes[0])
     options = [(tuple(Replicate() for _ in targs), tuple(Replicate() for _ in out_shapes))]
-    for d in range(nd):
-        ins = []
-        for s in in_shapes:
-            k = d - (nd - len(s))
-            ins.append(Shard(k) if k >= 0 and s[k] == out_shapes[0][d] else Replicate())
-        options.append((tuple(ins), tuple(Shard(d) for _ in out_shapes)))
+    for d in range(len(out_shapes[0])):
+        options.append((_broadcast_shards(in_shapes, out_shapes[0], d),
+                        tuple(Shard(d) for _ in out_shapes)))
     return expand_multi_output(options, mesh_shape, in_shapes, out_shapes, "pointwise")
+
+
+def _broadcast_shards(in_shapes, out_shape, d: int) -> tuple[Placement, ...]:
+    """Each input's placement when the output is split on dim ``d``: the input dim broadcasting
+    aligns with it (trailing dims align) if it has the full size there, else Replicate."""
+    nd = len(out_shape)
+    ins = []
+    for s in in_shapes:
+        k = d - (nd - len(s))
+        ins.append(Shard(k) if k >= 0 and s[k] == out_shape[d] else Replicate())
+    return tuple(ins)
 
 
 # ---------------------------------------------------------------------------------------------
