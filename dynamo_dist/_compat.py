@@ -166,9 +166,13 @@ def install_dynamo_tracing_fallback() -> None:
             except NotImplementedError as exc:
                 if _all_replicated(op_schema):  # all replicated: metadata from fakes
                     return OutputSharding(_replicated_output_specs(prop, op_schema))
-                raise _untraceable(op_schema, exc) from exc
-            except Exception as exc:  # e.g. writing into a Partial value
-                raise _untraceable(op_schema, exc) from exc
+                if not op_schema.is_inplace_op():
+                    raise _untraceable(op_schema, exc) from exc
+                return _inplace_keeping_placements(prop, op_schema, replicated, exc)
+            except Exception as exc:  # e.g. a nonlinear update of a Partial value
+                if not op_schema.is_inplace_op():
+                    raise _untraceable(op_schema, exc) from exc
+                return _inplace_keeping_placements(prop, op_schema, replicated, exc)
         op = op_schema.op
         if torch.Tag.dynamic_output_shape in op.tags or torch.Tag.data_dependent_output in op.tags:
             raise _untraceable(op_schema, RuntimeError(
@@ -178,18 +182,20 @@ def install_dynamo_tracing_fallback() -> None:
                        {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},
                        schema_info=op_schema.schema_info)
         state["substituted"] = True
-        if forget not in callback_handler.end_callbacks:  # torch._dynamo.reset() clears them
-            callback_handler.register_end_callback(forget)
         try:
-            try:
-                result = original(rep)
-            except NotImplementedError:
-                # No DTensor strategy (e.g. aten._scaled_dot_product_flash_attention_for_cpu):
-                # Dynamo only needs global metadata, which the op on replicated fakes gives.
-                result = OutputSharding(_replicated_output_specs(prop, rep))
+            result = original(rep)
         except Exception as exc:
-            raise _untraceable(op_schema, exc) from exc
-        if rep.args_spec != op_schema.args_spec or result.redistribute_schema is not None:
+            # No DTensor strategy (aten._scaled_dot_product_flash_attention_for_cpu), or one
+            # that fails on these arguments (aten._chunk_cat's tensor list): Dynamo only needs
+            # global metadata, which the op on replicated fakes gives. A real error in the
+            # user's program (mismatched shapes) fails there too, and is reported as such.
+            try:
+                result = OutputSharding(_replicated_output_specs(prop, rep))
+            except Exception:
+                raise _untraceable(op_schema, exc) from exc
+        # (specs inside tensor lists too: OpSchema.args_spec skips them for ops DTensor has no
+        # schema info for, such as aten._chunk_cat)
+        if _flat_specs(rep) != _flat_specs(op_schema) or result.redistribute_schema is not None:
             result.redistribute_schema = result.redistribute_schema or rep
             result.needs_redistribute = True
         return result
@@ -213,6 +219,28 @@ def install_dynamo_tracing_fallback() -> None:
             _clear_dtensor_sharding_caches()
             state["substituted"] = False
 
+    # The other way round: entries cached by eager DTensor calls before a compile would be hits
+    # while Dynamo traces, so this fallback never ran for them (seen: tensor_split's eager rule
+    # read tensor data under Dynamo). Dropped when any Dynamo compile starts.
+    def fresh(_args=None) -> None:
+        _clear_dtensor_sharding_caches()
+
+    _keep_callbacks(callback_handler, fresh, forget)
+
+
+def _keep_callbacks(handler, start, end) -> None:
+    """Register Dynamo compile start/end callbacks that survive ``torch._dynamo.reset()``
+    (which clears every callback)."""
+    handler.register_start_callback(start)
+    handler.register_end_callback(end)
+    clear = handler.clear
+
+    def clear_and_keep() -> None:
+        clear()
+        handler.register_start_callback(start)
+        handler.register_end_callback(end)
+
+    handler.clear = clear_and_keep
 
 def _clear_dtensor_sharding_caches() -> None:
     """DTensor's Python and C++ sharding-propagation caches (2.13: one debug helper; older
@@ -226,6 +254,32 @@ def _clear_dtensor_sharding_caches() -> None:
             clear_cpp()
         return
     _clear_sharding_prop_cache()
+
+
+def _inplace_keeping_placements(prop, op_schema, replicated, exc):
+    """Tracing an in-place op DTensor cannot run in place (``x.clamp_()`` on a Partial ``x``):
+    Dynamo only needs the result's global metadata, which an in-place op leaves as it was, so
+    it runs on replicated fakes and ``x`` keeps its placements. The dist backend plans the
+    functionalised program (reduce, clamp, write back) in global semantics."""
+    rep = OpSchema(op_schema.op, tuple(replicated(a) for a in op_schema.args_schema),
+                   {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},
+                   schema_info=op_schema.schema_info)
+    try:
+        out = _replicated_output_specs(prop, rep)
+    except Exception:
+        raise _untraceable(op_schema, exc) from exc
+    self_spec = op_schema.args_schema[0]
+    if not isinstance(out, DTensorSpec) or not isinstance(self_spec, DTensorSpec):
+        raise _untraceable(op_schema, exc) from exc
+    result = OutputSharding(DTensorSpec(self_spec.mesh, self_spec.placements,
+                                        tensor_meta=out.tensor_meta))
+    result.redistribute_schema = rep
+    result.needs_redistribute = True
+    return result
+
+
+def _flat_specs(op_schema) -> tuple:
+    return tuple(s for s in pytree.tree_leaves(op_schema.args_schema) if isinstance(s, DTensorSpec))
 
 
 def _all_replicated(op_schema) -> bool:

@@ -255,14 +255,9 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
         spec = plan.placement_for(fqn)
         placements = to_placements(spec, mesh, param.ndim, f"parameter '{fqn}'") if spec is not None \
             else tuple(Replicate() for _ in range(mesh.ndim))
+        # (an uneven split is fine: torch.chunk's pieces, as DTensor's; the compiler pads them
+        # where a collective needs equal sizes)
         validate_placements(f"parameter '{fqn}'", tuple(param.shape), mesh, placements)
-        for axis, p in enumerate(placements):
-            if isinstance(p, Shard) and param.shape[p.dim] % mesh.size(axis):
-                raise DistCompileError(
-                    f"parameter '{fqn}': dim {p.dim} of size {param.shape[p.dim]} does not split "
-                    f"evenly over mesh axis {axis} of size {mesh.size(axis)}",
-                    shapes=[param.shape], mesh=describe_mesh(mesh), placements=list(placements),
-                    fix="pick a tensor dim that divides evenly, or Replicate() on that axis")
         owner_name, _, leaf = fqn.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
         if isinstance(param, DTensor):

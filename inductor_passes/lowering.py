@@ -35,6 +35,21 @@ SIZE_ARG = {
     aten.new_ones.default: 1, aten.new_full.default: 1,
     aten.full.default: 0, aten.zeros.default: 0, aten.ones.default: 0, aten.empty.memory_format: 0,
 }
+# backward ops name their result's global shape in the schema (upsample_*_backward's
+# input_size, select_backward's input_sizes, ...)
+_SIZE_ARG_NAMES = ("input_size", "input_sizes", "self_sizes")
+
+
+def size_arg(op) -> int | None:
+    """Index of ``op``'s argument that is its output's GLOBAL shape, or None."""
+    if op in SIZE_ARG:
+        return SIZE_ARG[op]
+    if not isinstance(op, torch._ops.OpOverload) or not op._schema.name.endswith("_backward"):
+        return None
+    for i, a in enumerate(op._schema.arguments):
+        if a.name in _SIZE_ARG_NAMES:
+            return i
+    return None
 
 
 # ops run differently on local shards: views may need a copy (a gathered or re-sliced shard can
@@ -50,6 +65,7 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
     outputs in the joint's order) and the ledger of the collectives it contains.
     ``coordinate``: lower for the rank at this mesh coordinate instead of this process's."""
     axes = mesh_axes(mesh, coordinate)
+    coord = [ax.coordinate for ax in axes]  # local shapes differ by rank where splits are uneven
     mesh_shape = plan.mesh_shape
     ledger = CollectiveLedger()
     bwd = tangent_dependent(gm.graph)
@@ -61,7 +77,7 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
 
     def local_fake(node: fx.Node) -> torch.Tensor:
         val = node.meta["val"]
-        shape = local_shape(tuple(val.shape), plan.placement(node.name), mesh_shape)
+        shape = local_shape(tuple(val.shape), plan.placement(node.name), mesh_shape, coord)
         with fake_mode:
             return torch.empty(shape, dtype=val.dtype, device=val.device)
 
@@ -92,10 +108,14 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                         f"input {k} of {consumer.target}: {a.name} {fmt(cur)} -> {fmt(req)}",
                         phase or ("backward" if consumer in bwd else "forward"),
                         user_source(a if consumer.op == "output" else consumer)))
-                cache[(a, req)] = redistribute(env[a], cur, req, axes, record)
+                cache[(a, req)] = redistribute(env[a], cur, req, axes, record,
+                                               tuple(a.meta["val"].shape))
             return cache[(a, req)]
 
         for node in gm.graph.nodes:
+            if node.op == "get_attr":  # a constant: every rank holds all of it (Replicate)
+                env[node] = getattr(gm, node.target)
+                continue
             if node.op != "call_function":
                 continue
             np = plan.nodes[node.name]
@@ -109,13 +129,14 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 continue
             args, kwargs = pytree.tree_map_only(
                 fx.Node, lambda a: local_in[a] if a in local_in else env[a], (node.args, node.kwargs))
-            if node.target in SIZE_ARG and is_placements(np.output):
-                idx = SIZE_ARG[node.target]
+            idx = size_arg(node.target)
+            if idx is not None and idx < len(args) and is_placements(np.output):
                 args = list(args)
-                args[idx] = list(local_shape(tuple(node.meta["val"].shape), np.output, mesh_shape))
+                args[idx] = list(local_shape(tuple(node.meta["val"].shape), np.output, mesh_shape,
+                                             coord))
             target = _LOCAL_IMPL.get(node.target, node.target)
             out = target(*args, **kwargs)
-            _check_local(node, out, np.output, mesh_shape, mesh)
+            _check_local(node, out, np.output, mesh_shape, mesh, coord)
             env[node] = out
 
         output = next(iter(gm.graph.find_nodes(op="output")))
@@ -142,15 +163,16 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
     return local_gm, ledger
 
 
-def _check_local(node: fx.Node, out, placements, mesh_shape: Sequence[int], mesh) -> None:
-    val = node.meta["val"]
+def _check_local(node: fx.Node, out, placements, mesh_shape: Sequence[int], mesh,
+                 coord: Sequence[int]) -> None:
+    val = node.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else [val]
     outs = out if isinstance(out, (tuple, list)) else [out]
     pls = placements if not is_placements(placements) else [placements]
     for v, o, p in zip(vals, outs, pls):
         if not isinstance(v, torch.Tensor) or p is None:
             continue
-        want = local_shape(tuple(v.shape), p, mesh_shape)
+        want = local_shape(tuple(v.shape), p, mesh_shape, coord)
         if tuple(o.shape) != want:
             raise DistCompileError(
                 f"internal: local shape {tuple(o.shape)} of {node.name} does not match global "

@@ -13,6 +13,11 @@ Runs while tracing the local graph (``make_fx``), on local tensors. Per mesh axi
 Order of the per-axis steps: see ``redistribute``.
 Every collective is appended to the ``CollectiveLedger`` with its cause.
 
+Uneven splits (a dim of GLOBAL size 5 over 4 ranks: pieces 2, 2, 1, 0, torch.chunk's semantics,
+as DTensor's) pad each piece to the largest one before a collective and cut the padding off
+after it, as DTensor's own redistribute does. The pad is emitted on every rank (of zero width on
+some), so every rank's graph keeps the same structure.
+
 Graphs are specialised per rank (the coordinate is a constant), as Dynamo's own handling of mesh
 queries already is.
 """
@@ -24,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .sharding.placements import Placements
+from .sharding.placements import Placements, shard_range
 
 c10d = torch.ops._c10d_functional
 
@@ -54,11 +59,24 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return c10d.wait_tensor(t)
 
 
-def all_gather(x: torch.Tensor, dim: int, ax: AxisGroup, record: Record) -> torch.Tensor:
+def _pad_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` with zeros appended along ``dim`` up to ``size`` (always one op, maybe of width 0)."""
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, size - x.shape[dim]]
+    return torch.ops.aten.constant_pad_nd(x, pad)
+
+
+def all_gather(x: torch.Tensor, dim: int, ax: AxisGroup, record: Record,
+               size: int) -> torch.Tensor:
+    """Shard(dim) -> Replicate; ``size``: the dim's GLOBAL size."""
+    step = -(-size // ax.size)
+    uneven = size % ax.size != 0
+    if uneven:
+        x = _pad_to(x, dim, step)
     record("all_gather", ax, x)
     moved = x.movedim(dim, 0).contiguous() if dim != 0 else x.contiguous()
     out = _wait(c10d.all_gather_into_tensor(moved, ax.size, ax.group_name))
-    return out.movedim(0, dim) if dim != 0 else out
+    out = out.movedim(0, dim) if dim != 0 else out
+    return out.narrow(dim, 0, size) if uneven else out
 
 
 def all_reduce(x: torch.Tensor, op: str, ax: AxisGroup, record: Record) -> torch.Tensor:
@@ -69,27 +87,45 @@ def all_reduce(x: torch.Tensor, op: str, ax: AxisGroup, record: Record) -> torch
 
 
 def reduce_scatter(x: torch.Tensor, op: str, dim: int, ax: AxisGroup, record: Record) -> torch.Tensor:
+    """Partial -> Shard(dim); ``x`` holds the whole dim (its GLOBAL size)."""
+    size = x.shape[dim]
+    step = -(-size // ax.size)
+    uneven = size % ax.size != 0
+    if uneven:
+        x = _pad_to(x, dim, step * ax.size)
     record("reduce_scatter", ax, x)
     moved = x.movedim(dim, 0).contiguous() if dim != 0 else x.contiguous()
     out = _wait(c10d.reduce_scatter_tensor(moved, "sum", ax.size, ax.group_name))
     out = out.movedim(0, dim) if dim != 0 else out
+    if uneven:
+        out = out.narrow(dim, 0, shard_range(size, ax.size, ax.coordinate)[1])
     return out / ax.size if op == "avg" else out
 
 
-def all_to_all(x: torch.Tensor, src: int, dst: int, ax: AxisGroup, record: Record) -> torch.Tensor:
-    """Shard(src) -> Shard(dst): send chunk j of dim ``dst`` to rank j, concat received on ``src``."""
+def all_to_all(x: torch.Tensor, src: int, dst: int, ax: AxisGroup, record: Record,
+               src_size: int) -> torch.Tensor:
+    """Shard(src) -> Shard(dst): send piece j of dim ``dst`` to rank j, concat received on
+    ``src``. ``src_size``: GLOBAL size of dim ``src`` (``x`` holds all of dim ``dst``)."""
+    dst_size = x.shape[dst]
+    src_step, dst_step = -(-src_size // ax.size), -(-dst_size // ax.size)
+    uneven = src_size % ax.size != 0 or dst_size % ax.size != 0
+    if uneven:  # every piece sent is (src_step, ..., dst_step): padded, cut after
+        x = _pad_to(_pad_to(x, src, src_step), dst, dst_step * ax.size)
     record("all_to_all", ax, x)
     send = torch.stack(torch.chunk(x, ax.size, dim=dst)).contiguous()
-    n = send.shape[0]
-    split = [1] * n
-    recv = _wait(c10d.all_to_all_single(send, split, split,
-                                        ax.group_name))
-    return torch.cat(torch.unbind(recv, 0), dim=src)
+    split = [1] * ax.size
+    recv = _wait(c10d.all_to_all_single(send, split, split, ax.group_name))
+    out = torch.cat(torch.unbind(recv, 0), dim=src)
+    if uneven:  # pieces before the last non-empty one are full, so the padding is at the end
+        out = out.narrow(src, 0, src_size)
+        out = out.narrow(dst, 0, shard_range(dst_size, ax.size, ax.coordinate)[1])
+    return out
 
 
 def local_slice(x: torch.Tensor, dim: int, ax: AxisGroup) -> torch.Tensor:
-    step = x.shape[dim] // ax.size
-    return x.narrow(dim, ax.coordinate * step, step)
+    """Replicate -> Shard(dim): this rank's piece (``x`` holds the whole dim)."""
+    offset, length = shard_range(x.shape[dim], ax.size, ax.coordinate)
+    return x.narrow(dim, offset, length)
 
 
 def to_partial(x: torch.Tensor, op: str, ax: AxisGroup) -> torch.Tensor:
@@ -103,8 +139,9 @@ def to_partial(x: torch.Tensor, op: str, ax: AxisGroup) -> torch.Tensor:
 
 
 def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[AxisGroup],
-                 record: Record) -> torch.Tensor:
+                 record: Record, shape: Sequence[int]) -> torch.Tensor:
     """Move local tensor ``x`` from ``src`` to ``dst`` placements (both one entry per mesh axis).
+    ``shape``: the value's GLOBAL shape.
 
     Order: (1) axes that end Replicate/Partial are gathered or reduced, last axis first;
     (2) Shard->Shard and Partial->Shard moves (all_to_all, reduce_scatter), unless the target
@@ -119,7 +156,7 @@ def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[A
         nonlocal x
         s = cur[i]
         if type(s) is Shard:
-            x = all_gather(x, s.dim, axes[i], record)
+            x = all_gather(x, s.dim, axes[i], record, shape[s.dim])
         else:
             x = all_reduce(x, s.reduce_op, axes[i], record)
         cur[i] = Replicate()
@@ -140,7 +177,7 @@ def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[A
         if nested:
             to_replicate(i)
         elif type(s) is Shard:
-            x = all_to_all(x, s.dim, d.dim, axes[i], record)
+            x = all_to_all(x, s.dim, d.dim, axes[i], record, shape[s.dim])
             cur[i] = d
         else:
             x = reduce_scatter(x, s.reduce_op, d.dim, axes[i], record)

@@ -63,6 +63,27 @@ def test_compiling_leaves_eager_dtensor_unchanged(fake_mesh):
     out = torch.compile(lambda a: a.view(25, 5), backend="dist",
                         options={"inductor": False})(uneven())
     assert out.shape == (25, 5)
-    assert compile_records()[-1].plan.fallbacks  # gathered at the boundary, and said so
+    # merging an uneven dim: DTensor's rule for replicated inputs, the gather priced and logged
+    assert compile_records()[-1].ledger.count(kind="all_gather") == 1
     with pytest.raises(RuntimeError, match="unevenly sharded"):
         uneven().view(25, 5)
+
+
+def test_eager_dtensor_before_compiling_does_not_leak_into_tracing(fake_mesh):
+    """The other direction: DTensor's cache entries from eager calls made before a compile must
+    not be hits while Dynamo traces for dist (they bypassed our tracing propagation: eager
+    tensor_split then read tensor data under Dynamo, an internal Dynamo error instead of ours)."""
+    mesh = fake_mesh((4,), ("x",))
+    _compat.install_dynamo_tracing_fallback()
+    x = distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)])
+    idx = distribute_tensor(torch.tensor([1, 3]), mesh, [Replicate()])
+    try:
+        torch.tensor_split(x, idx, 0)  # eager: fills DTensor's sharding cache
+    except Exception:  # noqa: BLE001  (whether eager supports it does not matter here)
+        pass
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as info:
+        torch.compile(lambda a, i: torch.tensor_split(a, i, 0), backend="dist", fullgraph=True,
+                      options={"inductor": False})(x, idx)
+    text = str(info.value)  # ours, carried through DTensor's and Dynamo's wrappers
+    assert "cannot be traced for the dist backend" in text and "depends on tensor data" in text

@@ -5,7 +5,7 @@ import torch
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from dynamo_dist import DistCompileError
+from dynamo_dist import DistCompileError, compile_records
 from dynamo_dist.plans import PartitionSpec, ShardingPlan, shard_module
 
 
@@ -36,11 +36,16 @@ def test_unknown_mesh_axis(fake_mesh):
         shard_module(Tiny(), mesh, ShardingPlan(plan={"fc.weight": PartitionSpec("sp", None)}))
 
 
-def test_uneven_parameter_split(fake_mesh):
+def test_uneven_parameter_split_is_kept_and_planned(fake_mesh):
+    """8 over 3 ranks: pieces 3, 3, 2 (torch.chunk's), planned as such, not replicated."""
     mesh = fake_mesh((3,), ("tp",))
-    with pytest.raises(DistCompileError) as e:
-        shard_module(Tiny(), mesh, ShardingPlan(plan={"fc.bias": {"tp": Shard(0)}}))
-    assert "'fc.bias'" in str(e.value) and "does not split evenly" in str(e.value)
+    m = shard_module(Tiny(), mesh, ShardingPlan(plan={"fc.bias": {"tp": Shard(0)},
+                                                      "fc.weight": {"tp": Shard(0)}}))
+    assert tuple(m.fc.bias.placements) == (Shard(0),) and m.fc.bias.to_local().shape == (3,)
+    torch.compile(m, backend="dist", options={"inductor": False})(torch.randn(2, 4))
+    plan = compile_records()[-1].plan
+    assert not plan.fallbacks, plan.fallbacks
+    assert any(n.output == (Shard(1),) for n in plan.nodes.values())  # the 2 x 8 output
 
 
 def test_partition_spec_converts_to_placements(fake_mesh):

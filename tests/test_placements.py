@@ -3,7 +3,7 @@ from hypothesis import given, strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from inductor_passes.sharding.cost import redistribute_cost
-from inductor_passes.sharding.placements import fmt, local_shape, parse, valid_for
+from inductor_passes.sharding.placements import fmt, local_shape, parse, shard_range, valid_for
 
 placement = st.one_of(st.just(Replicate()), st.integers(0, 3).map(Shard),
                       st.sampled_from(["sum", "avg", "max", "min"]).map(Partial))
@@ -14,16 +14,29 @@ def test_fmt_parse_roundtrip(pls):
     assert parse(fmt(tuple(pls))) == tuple(pls)
 
 
-def test_valid_for_rejects_uneven_nested_and_out_of_range():
+def test_valid_for_rejects_nested_and_out_of_range():
     assert valid_for((8, 6), (Shard(0), Shard(1)), (2, 3))
-    assert not valid_for((8, 6), (Shard(1),), (4,))            # 6 % 4
+    assert valid_for((8, 6), (Shard(1),), (4,))                # uneven: pieces 2, 2, 2, 0
     assert not valid_for((8, 6), (Shard(0), Shard(0)), (2, 2))  # nested
     assert not valid_for((8, 6), (Shard(2),), (2,))             # no dim 2
+
+
+@given(st.integers(0, 40), st.integers(1, 8))
+def test_shard_range_is_torch_chunk(size, n):
+    x = torch.arange(size)
+    pieces = list(x.chunk(n)) if size else []
+    for k in range(n):
+        offset, length = shard_range(size, n, k)
+        want = pieces[k] if k < len(pieces) else x[:0]
+        assert torch.equal(x[offset:offset + length], want)
 
 
 def test_local_shape():
     assert local_shape((8, 6, 4), (Shard(0), Shard(2)), (2, 2)) == (4, 6, 2)
     assert local_shape((8, 6), (Partial(), Replicate()), (2, 2)) == (8, 6)
+    # uneven: the largest piece without a coordinate, the rank's own piece with one
+    assert local_shape((5, 6), (Shard(0),), (4,)) == (2, 6)
+    assert [local_shape((5, 6), (Shard(0),), (4,), (k,))[0] for k in range(4)] == [2, 2, 1, 0]
 
 
 def test_cost_orders_collectives():

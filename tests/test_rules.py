@@ -63,12 +63,21 @@ def test_matmul_nd_keeps_batch_dims_visible():
     assert ((S1, S1), S1) in _specs(node)  # heads sharded: no gather
 
 
-def test_two_axis_expansion_filters_uneven():
-    mm = _node(torch.mm, (4, 6), (6, 6), target=torch.ops.aten.mm.default)
-    for ins, out in _specs(mm, (2, 4)):
-        for p, axis in zip(out, range(2)):
-            if isinstance(p, Shard):
-                assert (4, 6)[p.dim] % (2, 4)[axis] == 0
+def test_uneven_splits_line_up_or_are_dropped():
+    """mm (5, 6) @ (6, 6) on a mesh of 4: rows split unevenly (2, 2, 1, 0) are fine, and so is
+    the uneven contraction (a pending sum); but an uneven split is never paired with a
+    different-sized one, and a mean over an uneven split never leaves Partial(avg)."""
+    mm = _node(torch.mm, (5, 6), (6, 6), target=torch.ops.aten.mm.default)
+    specs = _specs(mm, (4,))
+    S0, S1, R, P = (Shard(0),), (Shard(1),), (Replicate(),), (Partial("sum"),)
+    assert ((S0, R), S0) in specs and ((S1, S0), P) in specs
+    for ins, out in specs:  # every split on the mesh axis covers a dim of one size
+        sizes = {shape[p[0].dim] for shape, p in zip(((5, 6), (6, 6), (5, 6)), (*ins, out))
+                 if isinstance(p[0], Shard)}
+        assert len(sizes) <= 1 or all(s % 4 == 0 for s in sizes), (ins, out)
+    mean = _node(lambda a: a.mean(0), (5, 6), target=torch.ops.aten.mean.dim)
+    specs = rules.op_strategy(mean, [S0], None, (4,), lambda n: None)
+    assert specs and all(s.output != (Partial("avg"),) for s in specs if s.inputs == (S0,))
 
 
 def test_attention_splits_batch_or_heads_and_keeps_a_broadcast_mask_whole():

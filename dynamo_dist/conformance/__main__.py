@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", nargs="*", help="OpInfo names to run (default: all)")
     ap.add_argument("--samples", type=int, default=2, help="samples per op (default 2)")
     ap.add_argument("--cases", type=int, default=8, help="placement sets per sample (default 8)")
+    ap.add_argument("--inplace-cases", type=int, default=4,
+                    help="placement sets of the in-place variant (1 sample; 0: none; default 4)")
     ap.add_argument("--meshes", default="4,2x2", help="comma-separated mesh shapes")
     ap.add_argument("--no-dtensor", action="store_true", help="skip the DTensor eager peer")
     ap.add_argument("--jobs", type=int, default=2, help="meshes run in parallel processes")
@@ -98,7 +100,7 @@ def _run_meshes_in_parallel(args, argv):
 
 
 def _run(args, ops):
-    from .harness import cases_for, run_case
+    from .harness import cases_for, inplace_cases_for, run_case
 
     results = []
     t0 = time.time()
@@ -109,6 +111,8 @@ def _run(args, ops):
         for k, opinfo in enumerate(ops):
             try:
                 cases = list(cases_for(opinfo, mesh, args.samples, args.cases))
+                if args.inplace_cases:
+                    cases += list(inplace_cases_for(opinfo, mesh, 1, args.inplace_cases))
             except Exception as exc:  # noqa: BLE001  (sample generation failed: reported)
                 print(f"[{mesh_text}] {opinfo.name}: no samples ({type(exc).__name__})",
                       file=sys.stderr)

@@ -177,8 +177,13 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh,
         err = _unwrap_error(exc)
         if isinstance(err, DistCompileError):
             return "error", "", str(err).splitlines()[0][:200]
+        stock = _stock_dynamo_fails(fn, before)
         if isinstance(err, torch._dynamo.exc.Unsupported) or "graph break" in str(exc).lower():
-            return "break", "", _short(exc)
+            return "break", "", ("stock Dynamo fails too: " if stock else "ours only: ") + \
+                _short(exc)
+        if stock:
+            return "break", "", "stock Dynamo (backend='eager', plain tensors) fails too: " + \
+                _short(exc)
         return "crash", "", _short(exc)
     finally:
         _compat.allow_implicit_replication(implicit)
@@ -243,6 +248,19 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh,
     return fwd, bwd, detail
 
 
+def _stock_dynamo_fails(fn, tensors) -> bool:
+    """Dynamo itself cannot trace ``fn`` into one graph (data-dependent Python control flow such
+    as gaussian_nll_loss's ``if torch.any(var < 0)``): not a failure of ours."""
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend="eager", fullgraph=True)(*[t.detach().clone() for t in tensors])
+    except Exception:  # noqa: BLE001
+        return True
+    finally:
+        torch._dynamo.reset()
+    return False
+
+
 def _one_device(record, args, tangents, order, grad_inputs):
     """(user outputs, new values of updated inputs, input gradients) of the compiled global
     program run on one device, seeded as the simulated ranks were."""
@@ -296,8 +314,9 @@ def run_dtensor(op_fn, tensors: list[torch.Tensor], placements, mesh) -> str:
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
     n = mesh.size()
+    ref_in = [t.detach().clone() for t in tensors]
     ref = [o.detach() if isinstance(o, torch.Tensor) else o
-           for o in pytree.tree_leaves(op_fn(*[t.detach() for t in tensors]))]
+           for o in pytree.tree_leaves(op_fn(*ref_in))] + ref_in  # inputs: in-place updates
     try:
         with LocalTensorMode(n):
             inputs = []
@@ -307,7 +326,7 @@ def run_dtensor(op_fn, tensors: list[torch.Tensor], placements, mesh) -> str:
                 inputs.append(DTensor.from_local(LocalTensor(shards), mesh, pls, run_check=False,
                                                  shape=t.shape, stride=t.stride()))
             out = [o.full_tensor() if isinstance(o, DTensor) else o
-                   for o in pytree.tree_leaves(op_fn(*inputs))]
+                   for o in pytree.tree_leaves(op_fn(*inputs)) + inputs]
             out = [_rank0(o) for o in out]
     except Exception as exc:  # noqa: BLE001
         return "crash: " + _short(exc)
@@ -384,17 +403,52 @@ def cases_for(opinfo, mesh, max_samples: int, max_cases: int) -> Iterator[tuple[
         shapes = tuple(tuple(t.shape) for t in tensors)
         for pls in placement_options(shapes, [t.dtype for t in tensors], tuple(mesh.shape),
                                      max_cases):
-            yield Case(opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name
-                                      else ""), s_idx, tuple(mesh.shape), pls, shapes), op_fn, tensors
+            yield Case(_name(opinfo), s_idx, tuple(mesh.shape), pls, shapes), op_fn, tensors
+
+
+def _name(opinfo) -> str:
+    return opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
+
+
+def inplace_cases_for(opinfo, mesh, max_samples: int,
+                      max_cases: int) -> Iterator[tuple[Case, Any, list]]:
+    """Cases of ``opinfo.inplace_variant`` (``x.add_(y)``), named ``<op>.inplace``: compiled
+    through functionalisation, the updated input is written back and compared with the one
+    device's. Inputs do not require grad (an in-place update of a leaf that does is an error)."""
+    variant = opinfo.inplace_variant
+    if variant is None or _traceable_op(opinfo) is not None:
+        return
+    samples = opinfo.sample_inputs("cpu", torch.float32, requires_grad=False)
+    for s_idx, sample in enumerate(samples):
+        if s_idx >= max_samples:
+            break
+        tensors, rebuild = _flat_tensors(sample)
+        if not tensors or any(t.numel() == 0 for t in tensors) or \
+                not isinstance(sample.input, torch.Tensor):
+            continue
+
+        def op_fn(*ts, rebuild=rebuild):
+            inp, args, kwargs = rebuild(list(ts))
+            variant(inp, *args, **kwargs)
+            return ()  # the result is its input: compared as the updated input
+
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        for pls in placement_options(shapes, [t.dtype for t in tensors], tuple(mesh.shape),
+                                     max_cases):
+            yield Case(_name(opinfo) + ".inplace", s_idx, tuple(mesh.shape), pls, shapes), \
+                op_fn, tensors
 
 
 def run_case(case: Case, op_fn, tensors, mesh, with_dtensor: bool = True) -> Case:
-    ts = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+    def fresh():  # the reference may update its inputs in place
+        return [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+
+    ts = fresh()
     try:
         case.ours, case.ours_grad, case.detail = run_ours(op_fn, ts, case.placements, mesh,
                                                           case.op.split(".")[0])
     except Exception as exc:  # noqa: BLE001  (the reference itself failed: not our case)
         case.ours, case.detail = "skip", _short(exc)
     if with_dtensor and case.ours != "skip":
-        case.dtensor = run_dtensor(op_fn, ts, case.placements, mesh)
+        case.dtensor = run_dtensor(op_fn, fresh(), case.placements, mesh)
     return case

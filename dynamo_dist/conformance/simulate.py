@@ -1,10 +1,11 @@
 """Run a compiled program on N simulated ranks in one process, with real values.
 
-The backend compiles one joint graph per rank (rank coordinates are constants), and every rank's
-graph has the same structure (lowering guarantees it: see redistribute.py). So the N local graphs
-can be interpreted in lock step, node by node: an ordinary op runs once per rank on that rank's
-values; a ``_c10d_functional`` collective is computed across the ranks of its mesh-axis group
-from all of their inputs at once. This is what ``torch.distributed._local_tensor.LocalTensorMode``
+The backend compiles one joint graph per rank (rank coordinates are constants). Local shapes may
+differ by rank (uneven splits), and with them the ops a decomposition picks, but the collectives
+are the same on every rank, in the same order (lowering guarantees it; the partitioner never
+recomputes a collective). So the N local graphs are interpreted side by side: each rank runs its
+ordinary ops on its own values up to its next collective; there all ranks meet, and the
+collective is computed across the ranks of its mesh-axis group from all of their inputs. This is what ``torch.distributed._local_tensor.LocalTensorMode``
 does for DTensor eager, applied to our rank-specialised graphs (which one LocalTensor program
 cannot express), and it checks the exact local graphs a real run would compile (without Inductor).
 
@@ -138,41 +139,57 @@ def _seeded(target) -> bool:
 
 def run_lockstep(graphs: dict[tuple[int, ...], fx.GraphModule], inputs: dict[tuple[int, ...], list],
                  groups: _Groups) -> dict[tuple[int, ...], list]:
-    """Interpret one local graph per rank in lock step; returns each rank's flat outputs."""
-    nodes = {c: list(g.graph.nodes) for c, g in graphs.items()}
-    first = next(iter(nodes))
-    lengths = {len(v) for v in nodes.values()}
-    if len(lengths) != 1:
-        raise AssertionError(f"ranks' local graphs differ in length: {sorted(lengths)}")
-    env: dict[tuple[int, ...], dict] = {c: {} for c in graphs}
-    feed = {c: iter(inputs[c]) for c in graphs}
-    for i, node0 in enumerate(nodes[first]):
-        per_rank = {c: nodes[c][i] for c in graphs}
-        if any(n.op != node0.op or n.target != node0.target for n in per_rank.values()):
-            raise AssertionError(f"ranks' local graphs differ at node {i} ({node0.name})")
-        if node0.op == "placeholder":
-            for c in graphs:
-                env[c][per_rank[c]] = next(feed[c])
+    """Interpret one local graph per rank; returns each rank's flat outputs.
+
+    Ranks run on their own between collectives and meet at each one. Every rank must issue the
+    same collective on the same group next (else a real run would hang: AssertionError).
+    """
+    start = torch.get_rng_state()
+    runners = {c: _rank_program(g, inputs[c], start) for c, g in graphs.items()}
+    pending = {c: next(r) for c, r in runners.items()}
+    step = 0
+    while True:
+        done = {c for c, p in pending.items() if p[0] == "done"}
+        if len(done) == len(pending):
+            return {c: p[1] for c, p in pending.items()}
+        issued = {c: (str(p[1]), p[2][-1]) for c, p in pending.items() if p[0] != "done"}
+        if done or len(set(issued.values())) != 1:
+            raise AssertionError(f"ranks' collective schedules differ at collective {step}: "
+                                 f"{issued}, finished: {sorted(done)}")
+        target = next(iter(pending.values()))[1]
+        res = _collective(target, {c: p[2] for c, p in pending.items()}, groups)
+        pending = {c: runners[c].send(res[c]) for c in runners}
+        step += 1
+
+
+def _rank_program(gm: fx.GraphModule, inputs: Sequence, rng: torch.Tensor):
+    """One rank's interpreter: yields ("collective", op, args) and is sent the result, then
+    yields ("done", outputs). Random draws use this rank's own generator state, which starts
+    as every other rank's (the same seed everywhere)."""
+    env: dict[fx.Node, Any] = {}
+    feed = iter(inputs)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(feed)
             continue
-        if node0.op == "output":
-            return {c: list(fx.node.map_arg(per_rank[c].args[0], lambda a, c=c: env[c][a]))
-                    for c in graphs}
-        args = {c: fx.node.map_arg((per_rank[c].args, per_rank[c].kwargs), lambda a, c=c: env[c][a])
-                for c in graphs}
-        if node0.target in _COLLECTIVES:
-            res = _collective(node0.target, {c: a[0] for c, a in args.items()}, groups)
-        elif node0.target is c10d.wait_tensor.default:
-            res = {c: a[0][0] for c, a in args.items()}
-        elif _seeded(node0.target):
-            # every rank has its own generator, seeded alike: each draws from the same state
-            state, res = torch.get_rng_state(), {}
-            for c, a in args.items():
-                torch.set_rng_state(state)
-                res[c] = node0.target(*a[0], **a[1])
+        if node.op == "get_attr":
+            env[node] = getattr(gm, node.target)
+            continue
+        if node.op == "output":
+            yield "done", list(fx.node.map_arg(node.args[0], lambda a: env[a]))
+            return
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+        if node.target in _COLLECTIVES:
+            res = yield "collective", node.target, args
+        elif node.target is c10d.wait_tensor.default:
+            res = args[0]
+        elif _seeded(node.target):
+            torch.set_rng_state(rng)
+            res = node.target(*args, **kwargs)
+            rng = torch.get_rng_state()
         else:
-            res = {c: node0.target(*a[0], **a[1]) for c, a in args.items()}
-        for c in graphs:
-            env[c][per_rank[c]] = res[c]
+            res = node.target(*args, **kwargs)
+        env[node] = res
     raise AssertionError("local graph has no output node")
 
 
@@ -183,7 +200,7 @@ def run_spmd(record, args: Sequence[torch.Tensor], tangents: Sequence[torch.Tens
     ``args``: the GLOBAL values of the program's tensor inputs (one per primal, in order);
     ``tangents``: GLOBAL cotangents of its differentiable outputs (None: forward only).
     Returns (forward outputs, gradients of the primals), GLOBAL; raises ReplicaMismatch when
-    replicas disagree and AssertionError when the ranks' graphs differ in structure.
+    replicas disagree and AssertionError when the ranks' collective schedules differ.
     """
     program, plan = record.program, record.plan
     mesh_shape = tuple(mesh.shape)

@@ -50,18 +50,10 @@ def normalize(placements: Sequence[Placement], ndim: int) -> Placements:
     return tuple(out)
 
 
-def shard_counts(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> list[int]:
-    """For each tensor dim, how many pieces it is cut into."""
-    counts = [1] * len(shape)
-    for axis, p in enumerate(placements):
-        if type(p) is Shard:
-            counts[p.dim] *= mesh_shape[axis]
-    return counts
-
-
 def valid_for(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
-    """Placements a value can hold: plain types, dims in range, even splits, no tensor dim cut by
-    two mesh axes (nested sharding is not lowered yet)."""
+    """Placements a value can hold: plain types, dims in range, no tensor dim cut by two mesh
+    axes (nested sharding is not lowered yet). Uneven splits are valid (chunk semantics, see
+    ``shard_range``); ``rules.op_strategy`` decides which ops may compute on them."""
     seen: set[int] = set()
     for axis, p in enumerate(placements):
         if not is_plain(p):
@@ -70,16 +62,27 @@ def valid_for(shape: Sequence[int], placements: Placements, mesh_shape: Sequence
             if not 0 <= p.dim < len(shape) or p.dim in seen:
                 return False
             seen.add(p.dim)
-            if shape[p.dim] % mesh_shape[axis] != 0:
-                return False
     return True
+
+
+def shard_range(size: int, n: int, k: int) -> tuple[int, int]:
+    """(offset, length) of piece ``k`` when a dim of GLOBAL ``size`` is split over ``n`` ranks:
+    torch.chunk's (and DTensor's) semantics, pieces of ceil(size / n), the last ones shorter or
+    empty (size 5 over 4 ranks: 2, 2, 1, 0)."""
+    step = -(-size // n)
+    offset = min(k * step, size)
+    return offset, min(step, size - offset)
+
+
+def is_uneven(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
+    return any(type(p) is Shard and shape[p.dim] % mesh_shape[a]
+               for a, p in enumerate(placements))
 
 
 def plannable(shape: Sequence[int], placements: Placements,
               mesh_shape: Sequence[int]) -> tuple[Placements, list[str]]:
     """``placements`` with every mesh axis the planner cannot hold replaced by Replicate, and
-    why: an uneven split (a dim of GLOBAL size 5 over 4 ranks), a tensor dim split by two mesh
-    axes, or an unsupported placement type. Inputs in such placements are redistributed (by
+    why: a tensor dim split by two mesh axes, or an unsupported placement type. Inputs in such placements are redistributed (by
     DTensor, exactly) at the program boundary, and the caller logs the cost."""
     out, why, seen = list(placements), [], set()
     for axis, p in enumerate(placements):
@@ -87,9 +90,6 @@ def plannable(shape: Sequence[int], placements: Placements,
             why.append(f"mesh axis {axis}: {p!r} is not supported")
         elif type(p) is Shard and p.dim in seen:
             why.append(f"mesh axis {axis}: dim {p.dim} is already split by another mesh axis")
-        elif type(p) is Shard and shape[p.dim] % mesh_shape[axis]:
-            why.append(f"mesh axis {axis}: dim {p.dim} of size {shape[p.dim]} does not split "
-                       f"evenly over {mesh_shape[axis]} ranks")
         else:
             if type(p) is Shard:
                 seen.add(p.dim)
@@ -98,9 +98,17 @@ def plannable(shape: Sequence[int], placements: Placements,
     return tuple(out), why
 
 
-def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    counts = shard_counts(shape, placements, mesh_shape)
-    return tuple(s // c for s, c in zip(shape, counts))
+def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int],
+                coordinate: Sequence[int] | None = None) -> tuple[int, ...]:
+    """LOCAL shape of a value of GLOBAL ``shape``: of the rank at ``coordinate``, or without one
+    the largest piece (what an uneven collective pads to, and what the cost model prices)."""
+    out = list(shape)
+    for axis, p in enumerate(placements):
+        if type(p) is Shard:
+            n = mesh_shape[axis]
+            out[p.dim] = -(-out[p.dim] // n) if coordinate is None else \
+                shard_range(out[p.dim], n, coordinate[axis])[1]
+    return tuple(out)
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

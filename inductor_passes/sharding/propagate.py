@@ -320,7 +320,7 @@ class _Walk:
 
         def visit(node: fx.Node) -> None:
             nonlocal total
-            if node.op != "call_function":
+            if node.op not in ("call_function", "get_attr"):
                 return
             targs = tensor_args(node)
             current = [env[a] for a in targs]

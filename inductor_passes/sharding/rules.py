@@ -86,7 +86,7 @@ def expand_multi_output(options, mesh_shape: Sequence[int], in_shapes, out_shape
 _EXTRA_POINTWISE = {
     prims.convert_element_type.default, prims.fma.default, aten.clone.default,
     aten.alias.default, aten._to_copy.default, aten.where.self, aten.masked_fill.Scalar,
-    aten.masked_fill.Tensor, aten.fill.Scalar, aten.copy.default,
+    aten.masked_fill.Tensor, aten.fill.Scalar, aten.copy.default, aten.lift_fresh_copy.default,
 }
 # Ops linear in a set of arguments jointly: Partial(sum/avg) in exactly those (all others
 # Replicate) gives a Partial output. add(P, P) = P; mul(P, R) = P; add(P, 1.0) is NOT linear.
@@ -96,7 +96,18 @@ _LINEAR_SETS = {prims.fma.default: [(1, 2), (0, 2)]}
 _LINEAR_ANY_ONE = {aten.mul.Tensor}
 _LINEAR_FIRST = {aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.neg.default,
                  aten.clone.default, aten.alias.default, prims.convert_element_type.default,
-                 aten._to_copy.default}
+                 aten._to_copy.default, aten.lift_fresh_copy.default}
+# reversal along some dims (flip decomposes to prims.rev): any other dim may be split, and a
+# pending sum stays pending (a permutation of elements is linear)
+_REVERSE = {prims.rev.default: 1, aten.flip.default: 1}
+
+
+def reverse_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
+    shape = val_shape(node)
+    dims = {d % max(len(shape), 1) for d in node.args[_REVERSE[node.target]]}
+    options: list[AxisOption] = [((Replicate(),), Replicate()), ((Partial(),), Partial())]
+    options += [((Shard(d),), Shard(d)) for d in range(len(shape)) if d not in dims]
+    return expand_to_mesh(options, mesh_shape, [shape], shape, "reverse")
 
 
 def is_random(op) -> bool:
@@ -292,7 +303,41 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
     enumerate). ``constraint_of`` returns the placements a sharding-constraint node pins.
     """
     return [s for s in _op_strategy(node, current, mesh, mesh_shape, constraint_of)
-            if _partial_only_on_floats(node, s)]
+            if _partial_only_on_floats(node, s) and _uneven_aligned(node, s, mesh_shape)]
+
+
+def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> bool:
+    """An OpSpec that splits a dim unevenly (size 5 over 4 ranks: pieces 2, 2, 1, 0) is kept
+    only where the local computation stays right on such pieces:
+
+    - on that mesh axis, every split operand (inputs and outputs) has the same size on its
+      split dim, so all pieces line up (a reshape that merges the dim, or a broadcast, does not);
+    - a reduction over the split dim leaves Partial(sum) only: an average of uneven pieces is not
+      the mean, and max/min of an empty piece is an error.
+
+    The same rule with an even split is DTensor's, so nothing else changes for uneven pieces.
+    """
+    if spec.source in ("constraint", "input"):
+        return True  # the user's own placements
+    pairs = [(val_shape(a), p) for a, p in zip(tensor_args(node), spec.inputs)]
+    n_in = len(pairs)
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and is_placements(spec.output):
+        pairs.append((tuple(val.shape), spec.output))
+    elif isinstance(val, (tuple, list)) and not is_placements(spec.output):
+        pairs += [(tuple(v.shape), p) for v, p in zip(val, spec.output)
+                  if isinstance(v, torch.Tensor) and p is not None]
+    for axis, n in enumerate(mesh_shape):
+        sizes = {shape[p[axis].dim] for shape, p in pairs if type(p[axis]) is Shard}
+        if not any(s % n for s in sizes):
+            continue
+        if len(sizes) > 1:
+            return False
+        split_in = any(type(p[axis]) is Shard for _, p in pairs[:n_in])
+        if split_in and any(isinstance(p[axis], Partial) and p[axis].reduce_op != "sum"
+                            for _, p in pairs[n_in:]):
+            return False
+    return True
 
 
 def _partial_only_on_floats(node: fx.Node, spec: OpSpec) -> bool:
@@ -308,6 +353,8 @@ def _partial_only_on_floats(node: fx.Node, spec: OpSpec) -> bool:
 def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]:
     op = node.target
     ndim = len(mesh_shape)
+    if node.op == "get_attr":  # a tensor constant the trace captured (torch.tensor(0.) ...)
+        return [replicated_spec(node, ndim, "constant")]
     pinned = constraint_of(node)
     if pinned is not None:
         return [OpSpec((pinned,), pinned, "constraint")]
@@ -318,6 +365,10 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
         return [replicated_spec(node, ndim, "random")]
     if not tensor_args(node):
         return [replicated_spec(node, ndim, "factory")]
+    if node.meta.get("val") is None:
+        # an op with no tensor result checks its inputs (aten._linalg_check_errors raises on a
+        # nonzero info): it reads the whole value on every rank, so all ranks raise together
+        return [replicated_spec(node, ndim, "check")]
     if op in _EINSUM:
         return einsum_strategy(node, _EINSUM[op], mesh_shape)
     if op is MATMUL_ND:
@@ -329,6 +380,8 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
         return slice_scatter_strategy(node, mesh_shape)
     if op in _ATTENTION:
         return attention_strategy(node, mesh_shape)
+    if op in _REVERSE:
+        return reverse_strategy(node, mesh_shape)
     if is_pointwise(op):
         return pointwise_strategy(node, mesh_shape)
     from .dtensor_adapter import dtensor_strategy

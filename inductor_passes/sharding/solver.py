@@ -120,7 +120,7 @@ class ShardingILP:
                 for j, o in enumerate(outs):
                     self.ties.append((node, j, src, o))
                 continue
-            if node.op != "call_function":
+            if node.op not in ("call_function", "get_attr"):
                 continue
             if node.target is GETITEM:
                 src, idx = node.args[0], node.args[1]

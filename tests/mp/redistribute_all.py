@@ -1,5 +1,6 @@
 """Under torchrun (gloo, 4 ranks, 2x2 mesh): every placement pair our lowering emits, checked
-against the global value. Exits non-zero on the first mismatch."""
+against the global value, for an evenly split tensor and an unevenly split one (pieces of 2 and
+1, 3 and 2, 1 and 0). Exits non-zero on the first mismatch."""
 
 import itertools
 import sys
@@ -10,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from inductor_passes.redistribute import mesh_axes, redistribute
-from inductor_passes.sharding.placements import fmt, local_shape, valid_for
+from inductor_passes.sharding.placements import fmt, local_shape, shard_range, valid_for
 
 
 def local_of(full, placements, mesh, axes):
@@ -18,7 +19,7 @@ def local_of(full, placements, mesh, axes):
     x = full
     for i, (p, ax) in enumerate(zip(placements, axes)):
         if isinstance(p, Shard):
-            x = x.chunk(ax.size, p.dim)[ax.coordinate]
+            x = x.narrow(p.dim, *shard_range(x.shape[p.dim], ax.size, ax.coordinate))
         elif isinstance(p, Partial):
             # rank-dependent split that sums (or maxes / averages) back to the value
             if p.reduce_op == "sum":
@@ -33,16 +34,18 @@ def main() -> int:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     axes = mesh_axes(mesh)
     torch.manual_seed(0)
-    full = torch.randn(4, 6, 8, dtype=torch.float64)
     one_axis = [Replicate(), Shard(0), Shard(1), Shard(2), Partial("sum"), Partial("max")]
     checked = 0
-    for src in itertools.product(one_axis, repeat=2):
+    pairs = itertools.product(one_axis, repeat=2)
+    for full, src in itertools.product([torch.randn(4, 6, 8, dtype=torch.float64),
+                                        torch.randn(3, 5, 1, dtype=torch.float64)], pairs):
         for dst in itertools.product(one_axis[:4], repeat=2):
             if not (valid_for(full.shape, src, (2, 2)) and valid_for(full.shape, dst, (2, 2))):
                 continue
-            got = redistribute(local_of(full, src, mesh, axes), src, dst, axes, lambda *a: None)
+            got = redistribute(local_of(full, src, mesh, axes), src, dst, axes, lambda *a: None,
+                               full.shape)
             want = local_of(full, dst, mesh, axes)
-            if got.shape != local_shape(full.shape, dst, (2, 2)) or \
+            if got.shape != local_shape(full.shape, dst, (2, 2), [ax.coordinate for ax in axes]) or \
                     not torch.allclose(got, want, rtol=1e-12, atol=1e-12):
                 print(f"MISMATCH {fmt(src)} -> {fmt(dst)} on rank {dist.get_rank()}", flush=True)
                 return 1

@@ -17,10 +17,10 @@ from dynamo_dist.plans import (DataParallelPlanner, ShardingPlan, TensorParallel
 
 
 class MLP(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, hidden: int = 128):
         super().__init__()
-        self.fc1 = torch.nn.Linear(32, 128)
-        self.fc2 = torch.nn.Linear(128, 32)
+        self.fc1 = torch.nn.Linear(32, hidden)
+        self.fc2 = torch.nn.Linear(hidden, 32)
 
     def forward(self, x, y):
         return torch.nn.functional.mse_loss(self.fc2(torch.relu(self.fc1(x))), y)
@@ -37,6 +37,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--inductor", type=int, default=1)
     ap.add_argument("--attn", default="sdpa")
+    ap.add_argument("--hidden", type=int, default=128,
+                    help="MLP hidden size (odd: tensor-parallel weights split unevenly)")
     ap.add_argument("--local-logits", action="store_true",
                     help="output_plan: logits split over the vocabulary on tp, returned local")
     args = ap.parse_args()
@@ -45,7 +47,7 @@ def main() -> int:
     mesh = init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
     torch.manual_seed(0)
     if args.model == "mlp":
-        ref = MLP()
+        ref = MLP(args.hidden)
         size = None
     else:
         size = LlamaSize(layers=2, seq=32)
