@@ -341,6 +341,7 @@ def _functionalize(joint_gm: fx.GraphModule, primals, tangents) -> fx.GraphModul
     copy_, scatter_, logical_or_ into buffers they made). A program that updates one of its
     INPUTS keeps a copy_ into that input, which ``_check_functional`` then reports. Views stay
     views (our rules know them; ``*_copy`` ops they would not)."""
+    _pair_inplace_by_name(joint_gm)
     functional = torch.func.functionalize(joint_gm, remove="mutations")
 
     def joint(primals, tangents):  # argument names give the AOT placeholder names
@@ -348,6 +349,37 @@ def _functionalize(joint_gm: fx.GraphModule, primals, tangents) -> fx.GraphModul
 
     return _compat.make_fx(joint, tracing_mode="fake", record_stack_traces=True)(
         primals, tangents)
+
+
+def _pair_inplace_by_name(gm: fx.GraphModule) -> None:
+    """Rewrite in place the in-place ops whose functional twin orders its arguments otherwise
+    (``polygamma_(self, n)`` vs ``polygamma(n, self)``): torch's functionalisation cannot pair
+    them (stock AOTAutograd fails on them too). They become ``copy_(self, twin(...))``, with
+    arguments matched by name, which functionalisation handles."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            continue
+        name = op._schema.name.split("::")[-1]
+        if not name.endswith("_") or name.endswith("__"):
+            continue
+        twin = getattr(getattr(torch.ops.aten, name[:-1], None), op._overloadname, None)
+        if twin is None:
+            continue
+        mine = [a.name for a in op._schema.arguments]
+        theirs = [a.name for a in twin._schema.arguments]
+        if mine == theirs or sorted(mine) != sorted(theirs):
+            continue
+        named = {**dict(zip(mine, node.args)), **node.kwargs}
+        with gm.graph.inserting_before(node):
+            value = gm.graph.call_function(twin, (), named)
+            write = gm.graph.call_function(torch.ops.aten.copy_.default, (named["self"], value))
+        node.replace_all_uses_with(write)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 def _check_static(gm: fx.GraphModule) -> None:

@@ -59,6 +59,31 @@ _LOCAL_IMPL = {aten.view.default: aten.reshape.default, MATMUL_ND: torch.matmul,
                aten.view_as_complex.default: lambda x: aten.view_as_complex(x.contiguous())}
 
 
+# ops that read their input's memory layout (strides, storage offset), not only its values
+_LAYOUT_READERS = {aten.as_strided.default, aten.as_strided_copy.default,
+                   aten.as_strided_scatter.default}
+
+
+def _replicated(mesh_shape: Sequence[int]) -> Placements:
+    from torch.distributed.tensor.placement_types import Replicate
+
+    return tuple(Replicate() for _ in mesh_shape)
+
+
+def _on_global_layout(target, meta: torch.Tensor, args, kwargs):
+    """Run an as_strided-family op on a replicated local value laid out as the GLOBAL value
+    was traced (a gathered value has other strides: as_strided on it reads other elements).
+    The layout is rebuilt functionally: the values scattered into a fresh flat storage."""
+    x = args[0]
+    n = meta.untyped_storage().nbytes() // meta.element_size()
+    flat = aten.as_strided_scatter(x.new_zeros(n), x, meta.shape, meta.stride(),
+                                   meta.storage_offset())
+    out = target(flat, *args[1:], **kwargs)
+    if target is aten.as_strided_scatter.default:  # its result has the input's layout
+        out = out.as_strided(meta.shape, meta.stride(), meta.storage_offset())
+    return out
+
+
 def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
           coordinate: Sequence[int] | None = None) -> tuple[fx.GraphModule, CollectiveLedger]:
     """Return the local joint graph of this rank (placeholders ``primals_*``, ``tangents_*``;
@@ -135,7 +160,10 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 args[idx] = list(local_shape(tuple(node.meta["val"].shape), np.output, mesh_shape,
                                              coord))
             target = _LOCAL_IMPL.get(node.target, node.target)
-            out = target(*args, **kwargs)
+            if node.target in _LAYOUT_READERS and np.inputs[0] == _replicated(mesh_shape):
+                out = _on_global_layout(target, targs[0].meta["val"], args, kwargs)
+            else:
+                out = target(*args, **kwargs)
             _check_local(node, out, np.output, mesh_shape, mesh, coord)
             env[node] = out
 

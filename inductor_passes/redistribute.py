@@ -75,8 +75,10 @@ def all_gather(x: torch.Tensor, dim: int, ax: AxisGroup, record: Record,
     record("all_gather", ax, x)
     moved = x.movedim(dim, 0).contiguous() if dim != 0 else x.contiguous()
     out = _wait(c10d.all_gather_into_tensor(moved, ax.size, ax.group_name))
-    out = out.movedim(0, dim) if dim != 0 else out
-    return out.narrow(dim, 0, size) if uneven else out
+    out = out.narrow(0, 0, size) if uneven else out
+    # contiguous, as DTensor's gather (a cat) is: some kernels read a layout they assume
+    # (fractional_max_pool3d_backward took permuted indices for contiguous ones)
+    return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
 def all_reduce(x: torch.Tensor, op: str, ax: AxisGroup, record: Record) -> torch.Tensor:

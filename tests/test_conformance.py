@@ -19,9 +19,11 @@ def test_fast_opinfo_subset(tmp_path):
     missing = [n for n in FAST_OPS if not any(c["op"] == n or c["op"].startswith(n + ".")
                                               for c in cases)]
     assert not missing, missing
-    bad = [c for c in cases if c["ours"] in ("wrong", "crash", "break") or c["ours_grad"] == "wrong"]
+    bad = [c for c in cases if c["ours"] in ("wrong", "crash") or c["ours_grad"] == "wrong"
+           or (c["ours"] == "break" and not c["detail"].startswith("stock Dynamo fails too"))]
     assert not bad, bad[:5]
-    ops = {c["op"] for c in cases}
+    # Dynamo's own limits (x.t_() on an input: "Inplace op on input tensor") are not ours
+    ops = {c["op"] for c in cases if c["ours"] != "break"}
     sharded_ok = {c["op"] for c in cases
                   if c["ours"] in ("pass", "fallback") and any(p != "R" and p != "R,R"
                                                                 for p in c["placements"])}
@@ -31,7 +33,7 @@ def test_fast_opinfo_subset(tmp_path):
     strict = {"add", "mul", "div", "exp", "sigmoid", "tanh", "where", "cumsum", "sum", "mean",
               "mm", "matmul", "nn.functional.linear", "transpose", "permute", "cat", "var"}
     fell_back = [(c["op"], c["placements"], c["detail"]) for c in cases
-                 if c["op"].split(".")[0] in strict and c["ours"] != "pass"]
+                 if c["op"].split(".")[0] in strict and c["ours"] not in ("pass", "break")]
     assert not fell_back, fell_back[:5]
     same = [c for c in cases if c["dtensor"]]
     ours = sum(c["ours"] in ("pass", "fallback") for c in same)

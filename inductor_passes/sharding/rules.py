@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dynamo_dist import _compat  # noqa: F401  (its Inductor imports register the prims ops)
 from dynamo_dist.ops import MATMUL_ND
 
-from .placements import Placements, is_placements, valid_for
+from .placements import Placements, is_placements, shard_range, valid_for
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -306,6 +306,10 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
             if _partial_only_on_floats(node, s) and _uneven_aligned(node, s, mesh_shape)]
 
 
+# rules whose kernels compute right on an empty local piece (0 rows of a matmul, of a sum)
+_EMPTY_OK = ("pointwise", "einsum:", "reverse", "slice_scatter", "index_put_accumulate")
+
+
 def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> bool:
     """An OpSpec that splits a dim unevenly (size 5 over 4 ranks: pieces 2, 2, 1, 0) is kept
     only where the local computation stays right on such pieces:
@@ -313,7 +317,9 @@ def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> b
     - on that mesh axis, every split operand (inputs and outputs) has the same size on its
       split dim, so all pieces line up (a reshape that merges the dim, or a broadcast, does not);
     - a reduction over the split dim leaves Partial(sum) only: an average of uneven pieces is not
-      the mean, and max/min of an empty piece is an error.
+      the mean, and max/min of an empty piece is an error;
+    - a split that leaves some rank an empty piece only for rules whose kernels take empty
+      inputs (``_EMPTY_OK``); other kernels may reject them (MKL's FFT does).
 
     The same rule with an even split is DTensor's, so nothing else changes for uneven pieces.
     """
@@ -332,6 +338,8 @@ def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> b
         if not any(s % n for s in sizes):
             continue
         if len(sizes) > 1:
+            return False
+        if shard_range(sizes.pop(), n, n - 1)[1] == 0 and not spec.source.startswith(_EMPTY_OK):
             return False
         split_in = any(type(p[axis]) is Shard for _, p in pairs[:n_in])
         if split_in and any(isinstance(p[axis], Partial) and p[axis].reduce_op != "sum"
