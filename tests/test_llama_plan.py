@@ -19,10 +19,10 @@ def _compile_step(model, size):
     return compile_records()
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_tp_forward_matches_megatron_collectives(fake_mesh, attn):
+@pytest.mark.parametrize("attn,seq", [("eager", 32), ("sdpa", 128)])  # 128: the demo's
+def test_tp_forward_matches_megatron_collectives(fake_mesh, attn, seq):
     mesh = fake_mesh((2,), ("tp",))
-    size = LlamaSize(layers=LAYERS, seq=32)
+    size = LlamaSize(layers=LAYERS, seq=seq)
     model = build_llama(size, attn=attn)
     shard_module(model, mesh, TensorParallelPlanner().build_plan(model))
     records = _compile_step(model, size)

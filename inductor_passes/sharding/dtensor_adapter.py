@@ -13,7 +13,6 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor.placement_types import Replicate
 
 from dynamo_dist import _compat
 
@@ -28,20 +27,6 @@ def _meta(val: torch.Tensor):
 
 
 def dtensor_strategy(node: fx.Node, current: Sequence[Placements], mesh,
-                     mesh_shape: Sequence[int]) -> list[OpSpec]:
-    """DTensor's OpSpecs for ``node`` when its inputs hold ``current``, and also when they are
-    all replicated. DTensor's rules answer from the inputs' placements and some have nothing
-    for a split they cannot compute on (amax over its split dim with an uneven split): what
-    they do for replicated inputs is then the planned option (gather, compute), priced and in
-    the ledger, not a no-rule fallback."""
-    specs = _dtensor_strategy(node, current, mesh, mesh_shape)
-    rep = tuple(tuple(Replicate() for _ in mesh_shape) for _ in current)
-    if tuple(current) != rep:
-        specs += [s for s in _dtensor_strategy(node, rep, mesh, mesh_shape) if s not in specs]
-    return specs
-
-
-def _dtensor_strategy(node: fx.Node, current: Sequence[Placements], mesh,
                       mesh_shape: Sequence[int]) -> list[OpSpec]:
     op = node.target
     if not isinstance(op, torch._ops.OpOverload):

@@ -302,8 +302,20 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
     ``current`` holds the placements its tensor inputs have now (DTensor's rules need them to
     enumerate). ``constraint_of`` returns the placements a sharding-constraint node pins.
     """
-    return [s for s in _op_strategy(node, current, mesh, mesh_shape, constraint_of)
-            if _partial_only_on_floats(node, s) and _uneven_aligned(node, s, mesh_shape)]
+    def kept(specs):
+        return [s for s in specs
+                if _partial_only_on_floats(node, s) and _uneven_aligned(node, s, mesh_shape)]
+
+    specs = kept(_op_strategy(node, current, mesh, mesh_shape, constraint_of))
+    rep = tuple(tuple(Replicate() for _ in mesh_shape) for _ in current)
+    if not specs and tuple(current) != rep:
+        # DTensor's rules answer from the inputs' placements, and some have nothing usable for
+        # a split they cannot compute on (amax over its uneven split dim): what they do for
+        # replicated inputs is then the planned option (gather, compute), priced and in the
+        # ledger, not a no-rule fallback. (Asked always, the extra options moved the Llama tp
+        # plan from Megatron's 16 all_reduce to 32 gathers/scatters/reduces.)
+        specs = kept(_op_strategy(node, rep, mesh, mesh_shape, constraint_of))
+    return specs
 
 
 # rules whose kernels compute right on an empty local piece (0 rows of a matmul, of a sum)
