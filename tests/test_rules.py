@@ -117,3 +117,12 @@ def test_attention_backward_splits_every_gradient_with_its_operands():
     specs = _specs(node, mesh_shape=(2, 2))
     S01 = (Shard(0), Shard(1))
     assert ((S01,) * 6, (S01,) * 3) in specs  # batch on one mesh axis, heads on the other
+
+
+def test_a_value_used_twice_holds_one_placement():
+    """mul(x, x): "linear in one operand" must not pair Partial with Replicate for the same
+    value (the sweep found x * x computed as if linear in x: gradients doubled)."""
+    sq = _node(lambda a: a * a, (4, 6), target=torch.ops.aten.mul.Tensor)
+    assert sq.args[0] is sq.args[1]
+    specs = _specs(sq)
+    assert specs and all(ins[0] == ins[1] for ins, _ in specs)

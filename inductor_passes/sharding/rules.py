@@ -303,8 +303,8 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
     enumerate). ``constraint_of`` returns the placements a sharding-constraint node pins.
     """
     def kept(specs):
-        return [s for s in specs
-                if _partial_only_on_floats(node, s) and _uneven_aligned(node, s, mesh_shape)]
+        return [s for s in specs if _partial_only_on_floats(node, s) and
+                _one_placement_per_value(node, s) and _uneven_aligned(node, s, mesh_shape)]
 
     specs = kept(_op_strategy(node, current, mesh, mesh_shape, constraint_of))
     rep = tuple(tuple(Replicate() for _ in mesh_shape) for _ in current)
@@ -356,6 +356,17 @@ def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> b
         split_in = any(type(p[axis]) is Shard for _, p in pairs[:n_in])
         if split_in and any(isinstance(p[axis], Partial) and p[axis].reduce_op != "sum"
                             for _, p in pairs[n_in:]):
+            return False
+    return True
+
+
+def _one_placement_per_value(node: fx.Node, spec: OpSpec) -> bool:
+    """A value passed twice (``mul(x, x)``) is one local tensor: an OpSpec asking for it in two
+    placements (mul's "linear in one operand" with (Partial, Replicate)) computes x * x as if it
+    were linear in x."""
+    seen: dict[fx.Node, object] = {}
+    for a, p in zip(tensor_args(node), spec.inputs):
+        if seen.setdefault(a, p) != p:
             return False
     return True
 
