@@ -178,9 +178,7 @@ def install_dynamo_tracing_fallback() -> None:
             raise _untraceable(op_schema, RuntimeError(
                 "its output shape or value depends on tensor data, which a plan made at "
                 "compile time cannot know"))
-        rep = OpSchema(op, tuple(replicated(a) for a in op_schema.args_schema),
-                       {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},
-                       schema_info=op_schema.schema_info)
+        rep = _replicated_schema(op_schema, replicated)
         state["substituted"] = True
         try:
             result = original(rep)
@@ -256,14 +254,19 @@ def _clear_dtensor_sharding_caches() -> None:
     _clear_sharding_prop_cache()
 
 
+def _replicated_schema(op_schema, replicated):
+    """``op_schema`` with every DTensorSpec argument replicated (``replicated`` maps one)."""
+    return OpSchema(op_schema.op, tuple(replicated(a) for a in op_schema.args_schema),
+                    {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},
+                    schema_info=op_schema.schema_info)
+
+
 def _inplace_keeping_placements(prop, op_schema, replicated, exc):
     """Tracing an in-place op DTensor cannot run in place (``x.clamp_()`` on a Partial ``x``):
     Dynamo only needs the result's global metadata, which an in-place op leaves as it was, so
     it runs on replicated fakes and ``x`` keeps its placements. The dist backend plans the
     functionalised program (reduce, clamp, write back) in global semantics."""
-    rep = OpSchema(op_schema.op, tuple(replicated(a) for a in op_schema.args_schema),
-                   {k: replicated(v) for k, v in op_schema.kwargs_schema.items()},
-                   schema_info=op_schema.schema_info)
+    rep = _replicated_schema(op_schema, replicated)
     try:
         out = _replicated_output_specs(prop, rep)
     except Exception:

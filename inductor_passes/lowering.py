@@ -23,7 +23,7 @@ from dynamo_dist.ledger import CollectiveEntry, CollectiveLedger
 from dynamo_dist.ops import MATMUL_ND
 
 from .redistribute import AxisGroup, mesh_axes, redistribute
-from .sharding.placements import Placements, fmt, is_placements, local_shape
+from .sharding.placements import Placements, fmt, is_placements, local_shape, replicate
 from .sharding.propagate import Plan, replicate_source, tangent_dependent
 from .sharding.rules import GETITEM, tensor_args
 
@@ -62,12 +62,6 @@ _LOCAL_IMPL = {aten.view.default: aten.reshape.default, MATMUL_ND: torch.matmul,
 # ops that read their input's memory layout (strides, storage offset), not only its values
 _LAYOUT_READERS = {aten.as_strided.default, aten.as_strided_copy.default,
                    aten.as_strided_scatter.default}
-
-
-def _replicated(mesh_shape: Sequence[int]) -> Placements:
-    from torch.distributed.tensor.placement_types import Replicate
-
-    return tuple(Replicate() for _ in mesh_shape)
 
 
 def _on_global_layout(target, meta: torch.Tensor, args, kwargs):
@@ -160,7 +154,7 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 args[idx] = list(local_shape(tuple(node.meta["val"].shape), np.output, mesh_shape,
                                              coord))
             target = _LOCAL_IMPL.get(node.target, node.target)
-            if node.target in _LAYOUT_READERS and np.inputs[0] == _replicated(mesh_shape):
+            if node.target in _LAYOUT_READERS and np.inputs[0] == replicate(len(mesh_shape)):
                 out = _on_global_layout(target, targs[0].meta["val"], args, kwargs)
             else:
                 out = target(*args, **kwargs)

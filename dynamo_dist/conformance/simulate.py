@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from inductor_passes.lowering import lower
-from inductor_passes.sharding.placements import Placements, is_placements
+from inductor_passes.sharding.placements import Placements, is_placements, shard_range
 
 c10d = torch.ops._c10d_functional
 _COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.all_reduce.default,
@@ -47,8 +47,7 @@ def shard_global(x: torch.Tensor, placements: Placements, coord: Sequence[int],
     for axis, p in enumerate(placements):
         n, c = mesh_shape[axis], coord[axis]
         if isinstance(p, Shard):
-            out = out.chunk(n, dim=p.dim)[c] if out.shape[p.dim] % n == 0 else \
-                _uneven(out, p.dim, n, c)
+            out = out.narrow(p.dim, *shard_range(out.shape[p.dim], n, c))
         elif isinstance(p, Partial):
             out = _exact_share(out, c)
     return out.contiguous()
@@ -64,11 +63,6 @@ def _exact_share(x: torch.Tensor, k: int) -> torch.Tensor:
     hi = torch.where(torch.isfinite(x), x.to(coarse).to(x.dtype), x)  # inf/nan: all on rank 0
     lo = torch.where(torch.isfinite(x), x - hi, torch.zeros_like(x))
     return hi if k == 0 else lo if k == 1 else torch.zeros_like(x)
-
-
-def _uneven(x: torch.Tensor, dim: int, n: int, c: int) -> torch.Tensor:
-    chunks = list(x.chunk(n, dim=dim))
-    return chunks[c] if c < len(chunks) else x.narrow(dim, 0, 0)
 
 
 def unshard(locals_: dict[tuple[int, ...], torch.Tensor], placements: Placements,

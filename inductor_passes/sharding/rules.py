@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dynamo_dist import _compat  # noqa: F401  (its Inductor imports register the prims ops)
 from dynamo_dist.ops import MATMUL_ND
 
-from .placements import Placements, is_placements, shard_range, valid_for
+from .placements import Placements, is_placements, replicate, shard_range, valid_for
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -307,7 +307,7 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
                 _one_placement_per_value(node, s) and _uneven_aligned(node, s, mesh_shape)]
 
     specs = kept(_op_strategy(node, current, mesh, mesh_shape, constraint_of))
-    rep = tuple(tuple(Replicate() for _ in mesh_shape) for _ in current)
+    rep = tuple(replicate(len(mesh_shape)) for _ in current)
     if not specs and tuple(current) != rep:
         # DTensor's rules answer from the inputs' placements, and some have nothing usable for
         # a split they cannot compute on (amax over its uneven split dim): what they do for
