@@ -11,7 +11,19 @@ import importlib
 # eager import of the backend here would make the two packages import each other.
 _EXPORTS = {
     "DistCompileError": ".errors",
-    "with_sharding_constraint": ".annotations",
+    "with_sharding_constraint": ".spmd",
+    "mark_sharding": ".spmd",
+    "clear_sharding": ".spmd",
+    "enable_manual_sharding": ".spmd",
+    "disable_manual_sharding": ".spmd",
+    "local_map": ".spmd",
+    "partition_spec_to_placements": ".spmd",
+    "placements_to_partition_spec": ".spmd",
+    "Mesh": ".mesh",
+    "HybridMesh": ".mesh",
+    "get_1d_mesh": ".mesh",
+    "set_global_mesh": ".mesh",
+    "get_global_mesh": ".mesh",
     "dist_backend": ".backend",
     "compile_records": ".backend",
     "clear_compile_records": ".backend",
@@ -20,6 +32,7 @@ _EXPORTS = {
     "TensorParallelPlanner": ".plans",
     "DataParallelPlanner": ".plans",
     "shard_module": ".plans",
+    "explain": ".explain",
 }
 
 __all__ = sorted(_EXPORTS)

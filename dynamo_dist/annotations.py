@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 from torch.distributed.tensor import DeviceMesh
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from . import _compat
 from inductor_passes.sharding.placements import Placements, fmt, normalize, parse
@@ -103,3 +103,80 @@ def with_sharding_constraint(t: torch.Tensor, mesh: DeviceMesh,
 
 
 CONSTRAINT_OP = torch.ops.dynamo_dist.sharding_constraint.default
+
+
+# ---- manual regions (GSPMD's full-to-shard / shard-to-full; DTensor's to_local / from_local) ----
+# Code between ``enter_manual`` and ``exit_manual`` computes on this rank's LOCAL tensor. In the
+# global graph such values carry their local shapes and are planned as Replicate (nothing is
+# moved between them); the two ops mark where values cross between the two worlds.
+
+def gradient_spec(spec: str) -> str:
+    """Placements of the cotangent crossing a region boundary the other way, per mesh axis:
+    Shard(d) stays Shard(d); Replicate becomes Partial(sum) (each rank's local code adds its own
+    term to the gradient of a value every rank read whole); Partial becomes Replicate (every
+    rank's share of a sum has the sum's gradient). One map serves both directions, so a
+    Replicate value that enters and leaves a region unchanged gets its gradient exactly once."""
+    key, pls = decode_spec(spec)
+    swapped = tuple(Partial("sum") if isinstance(p, Replicate) else
+                    Replicate() if isinstance(p, Partial) else p for p in pls)
+    return f"{key}|{fmt(swapped)}"
+
+
+def manual_local_shape(shape, spec: str) -> list[int]:
+    """The LOCAL shape a value of GLOBAL ``shape`` has inside a manual region under ``spec``."""
+    from inductor_passes.sharding.placements import local_shape
+
+    key, pls = decode_spec(spec)
+    return list(local_shape(tuple(shape), pls, tuple(mesh_from_key(key).shape)))
+
+
+def _outside_dist(name: str):
+    raise RuntimeError(f"dynamo_dist::{name} marks a manual-sharding region boundary and runs "
+                       f"only inside a program compiled with backend='dist'; eagerly, use "
+                       f"DTensor.to_local / DTensor.from_local (enable_manual_sharding does)")
+
+
+@torch.library.custom_op("dynamo_dist::enter_manual", mutates_args=())
+def enter_manual(x: torch.Tensor, spec: str) -> torch.Tensor:
+    """GLOBAL ``x`` in placements ``spec`` -> this rank's LOCAL tensor (full-to-shard)."""
+    _outside_dist("enter_manual")
+
+
+@enter_manual.register_fake
+def _(x: torch.Tensor, spec: str) -> torch.Tensor:
+    return x.new_empty(manual_local_shape(x.shape, spec))
+
+
+@torch.library.custom_op("dynamo_dist::exit_manual", mutates_args=())
+def exit_manual(x: torch.Tensor, spec: str, shape: list[int]) -> torch.Tensor:
+    """This rank's LOCAL ``x`` -> the GLOBAL value of ``shape`` it is a piece of under
+    placements ``spec`` (shard-to-full)."""
+    _outside_dist("exit_manual")
+
+
+@exit_manual.register_fake
+def _(x: torch.Tensor, spec: str, shape: list[int]) -> torch.Tensor:
+    return x.new_empty(shape)
+
+
+def _enter_setup(ctx, inputs, output):
+    ctx.spec, ctx.shape = inputs[1], list(inputs[0].shape)
+
+
+def _enter_backward(ctx, grad):
+    return exit_manual(grad, gradient_spec(ctx.spec), ctx.shape), None
+
+
+def _exit_setup(ctx, inputs, output):
+    ctx.spec = inputs[1]
+
+
+def _exit_backward(ctx, grad):
+    return enter_manual(grad, gradient_spec(ctx.spec)), None, None
+
+
+enter_manual.register_autograd(_enter_backward, setup_context=_enter_setup)
+exit_manual.register_autograd(_exit_backward, setup_context=_exit_setup)
+
+ENTER_OP = torch.ops.dynamo_dist.enter_manual.default
+EXIT_OP = torch.ops.dynamo_dist.exit_manual.default

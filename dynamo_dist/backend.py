@@ -196,3 +196,7 @@ dist_backend._dynamo_dist_backend = True  # how _compat recognises Dynamo tracin
 # so programs that never call shard_module (DTensors made by hand) get it too; it changes DTensor
 # only while Dynamo traces for this backend.
 _compat.install_dynamo_tracing_fallback()
+# Plain tensors in a dist program are global values, so DTensor must read them as Replicate when
+# they meet DTensors (Dynamo runs DTensor's dispatch while tracing). A process-wide switch in
+# torch 2.13; shard_module sets it too.
+_compat.allow_implicit_replication(True)

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, DeviceMesh
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from . import _compat
 from .errors import DistCompileError, user_source
@@ -80,7 +80,13 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
             infos.append(InputInfo(i, name, "dtensor", tuple(x.shape), x.dtype, x.requires_grad,
                                    x.device_mesh, tuple(x.placements)))
         elif isinstance(x, torch.Tensor):
-            infos.append(InputInfo(i, name, "tensor", tuple(x.shape), x.dtype, x.requires_grad))
+            # a plain tensor is a global value; ``spmd.mark_sharding`` may have given it a
+            # placement eagerly (each rank then receives its own piece)
+            from .spmd import input_annotation
+
+            mesh, pls = input_annotation(x) or (None, None)
+            infos.append(InputInfo(i, name, "tensor", tuple(x.shape), x.dtype, x.requires_grad,
+                                   mesh, pls))
         else:
             infos.append(InputInfo(i, name, "constant"))
     return infos
@@ -90,7 +96,7 @@ def find_mesh(infos: Sequence[InputInfo], example_inputs: Sequence[Any]) -> Devi
     """The one DeviceMesh of this program; inputs on two different meshes are an error."""
     meshes: dict[int, tuple[DeviceMesh, str]] = {}
     for info, x in zip(infos, example_inputs):
-        mesh = info.mesh if info.kind == "dtensor" else (x if isinstance(x, DeviceMesh) else None)
+        mesh = info.mesh if info.kind != "constant" else (x if isinstance(x, DeviceMesh) else None)
         if mesh is not None:
             meshes.setdefault(id(mesh), (mesh, info.name))
     distinct: list[tuple[DeviceMesh, str]] = []
@@ -127,57 +133,156 @@ class _GlobalInterpreter(fx.Interpreter):
     """Runs the Dynamo graph on plain global tensors, swapping in structure-keeping ops.
 
     DTensor calls in the program are read in global semantics: ``redistribute`` pins a
-    placement (a sharding constraint), ``full_tensor`` pins Replicate, and both ``full_tensor``
-    and ``to_local`` at a graph output make that output a plain tensor (``local_outputs``).
+    placement (a sharding constraint), ``full_tensor`` pins Replicate (and at a graph output
+    returns a plain tensor: ``local_outputs``). ``to_local`` and ``DTensor.from_local`` open and
+    close a manual region (``annotations.enter_manual`` / ``exit_manual``): code on their local
+    tensors is local code, run as written on every rank. A global value read by local code
+    enters the region as Replicate (its gradient is then the sum of every rank's term).
+
+    ``known``: id of a tensor -> (mesh, placements) for values whose placement the program has
+    fixed (DTensor inputs, redistribute / from_local results); only those can be ``to_local``'d.
     """
 
-    def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh | None) -> None:
+    def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh | None,
+                 known: dict[int, tuple[Any, tuple]], inputs: dict[int, int]) -> None:
         super().__init__(gm)
         self.mesh = mesh
+        self.known = known
+        self.inputs = inputs               # id of an input tensor -> its tensor-input position
         self.local_outputs: set[str] = set()
+        self.manual_nodes: set[str] = set()  # Dynamo nodes whose value is a local tensor
+        self.manual_inputs: set[int] = set()  # tensor inputs that from_local reads as local
+        self._manual: dict[int, torch.Tensor] = {}  # id -> tensor (kept alive: ids stay unique)
         self._node: fx.Node | None = None
 
     def run_node(self, n: fx.Node):
         self._node = n
-        return super().run_node(n)
+        out = super().run_node(n)
+        if n.op != "output" and any(id(t) in self._manual for t in _tensors(out)):
+            self.manual_nodes.add(n.name)
+        return out
 
     def call_function(self, target, args, kwargs):
+        if target is DTensor.from_local:
+            return self._from_local(*args, **kwargs)
         if target is torch.matmul and not kwargs and wants_matmul_nd(*args):
-            return matmul_nd(*args)
-        return super().call_function(target, args, kwargs)
+            return self._local_aware(lambda a, k: matmul_nd(*a), args, kwargs)
+        return self._local_aware(lambda a, k: super(_GlobalInterpreter, self).call_function(
+            target, a, k), args, kwargs)
 
     def call_method(self, target, args, kwargs):
         if target in ("redistribute", "full_tensor", "to_local") and args and \
-                isinstance(args[0], torch.Tensor):
+                isinstance(args[0], torch.Tensor) and id(args[0]) not in self._manual:
             return self._dtensor_call(target, args, kwargs)
-        return super().call_method(target, args, kwargs)
+        return self._local_aware(lambda a, k: super(_GlobalInterpreter, self).call_method(
+            target, a, k), args, kwargs)
+
+    def _local_aware(self, run, args, kwargs):
+        """Run one op; if any tensor argument is local, the global ones enter as Replicate and
+        the results are local."""
+        if not any(id(t) in self._manual for t in _tensors((args, kwargs))):
+            return run(args, kwargs)
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: t if id(t) in self._manual else
+            self._enter(t, tuple(Replicate() for _ in range(self.mesh.ndim))), (args, kwargs))
+        out = run(args, kwargs)
+        for t in _tensors(out):
+            self._manual[id(t)] = t
+        return out
+
+    def _enter(self, x: torch.Tensor, placements) -> torch.Tensor:
+        from inductor_passes.sharding.placements import is_uneven
+
+        from .annotations import encode_spec, enter_manual
+
+        if is_uneven(tuple(x.shape), placements, tuple(self.mesh.shape)):
+            raise DistCompileError(
+                f"a manual region (to_local / enable_manual_sharding) at {self._node.name} "
+                f"splits a tensor of global shape {tuple(x.shape)} unevenly; local code needs "
+                f"the same local shape on every rank", source=user_source(self._node),
+                mesh=self.mesh, placements=list(placements),
+                fix="pad the tensor to a multiple of the mesh axis size, or keep this code in "
+                    "global semantics (no to_local)")
+        out = enter_manual(x, encode_spec(self.mesh, placements))
+        self._manual[id(out)] = out
+        return out
+
+    def _from_local(self, x, device_mesh=None, placements=None, *, run_check=False, shape=None,
+                    stride=None):
+        from torch.distributed.tensor.placement_types import Shard
+
+        from inductor_passes.sharding.placements import normalize
+
+        from .annotations import encode_spec, exit_manual
+
+        node = self._node
+        mesh = device_mesh if isinstance(device_mesh, DeviceMesh) else self.mesh
+        if mesh is None:
+            raise DistCompileError("DTensor.from_local inside the compiled region with no mesh",
+                                   source=user_source(node), fix="pass device_mesh=")
+        self.mesh = self.mesh or mesh
+        pls = normalize(tuple(placements) if placements is not None else
+                        tuple(Replicate() for _ in range(mesh.ndim)), x.ndim)
+        if id(x) not in self._manual:
+            if all(isinstance(p, Replicate) for p in pls):
+                self.known[id(x)] = (mesh, pls)  # a global value is its own replicated local
+                return x
+            if id(x) not in self.inputs:
+                raise DistCompileError(
+                    f"DTensor.from_local at {node.name} reads a value computed in global "
+                    f"semantics as a local shard ({tuple(x.shape)} as {list(pls)})",
+                    source=user_source(node), mesh=mesh, placements=list(pls),
+                    fix="call from_local on a graph input or on the result of to_local()")
+            self.manual_inputs.add(self.inputs[id(x)])  # a per-rank input: passed as is
+            self._manual[id(x)] = x
+        if shape is None:
+            full = list(x.shape)
+            for axis, p in enumerate(pls):
+                if isinstance(p, Shard):
+                    full[p.dim] *= mesh.shape[axis]
+            shape = full
+        out = exit_manual(x, encode_spec(mesh, pls), [int(s) for s in shape])
+        self.known[id(out)] = (mesh, pls)
+        return out
 
     def _dtensor_call(self, target, args, kwargs):
+        from inductor_passes.sharding.placements import normalize
+
         from .annotations import with_sharding_constraint
 
         node, x = self._node, args[0]
         if target == "redistribute":
             mesh = args[1] if len(args) > 1 else kwargs.get("device_mesh")
             placements = args[2] if len(args) > 2 else kwargs.get("placements")
-            mesh = mesh if isinstance(mesh, DeviceMesh) else self.mesh
+            mesh = mesh if isinstance(mesh, DeviceMesh) else (self.known.get(id(x), (None,))[0]
+                                                             or self.mesh)
             if placements is None or mesh is None:
                 return x
-            return with_sharding_constraint(x, mesh, placements)
-        only_output = all(u.op == "output" for u in node.users)
-        if target == "to_local" and not only_output:
-            raise DistCompileError(
-                f"DTensor.to_local() at {node.name} feeds more computation inside the compiled "
-                f"region; code on local shards is not compiled by the dist backend yet",
-                source=user_source(node),
-                fix="call to_local() on values the compiled function returns, or move the "
-                    "local code outside the compiled region")
-        if only_output:
+            out = with_sharding_constraint(x, mesh, placements)
+            self.known[id(out)] = (mesh, normalize(tuple(placements), x.ndim))
+            return out
+        if target == "to_local":
+            mesh, pls = self.known.get(id(x), (None, None))
+            if pls is None:
+                raise DistCompileError(
+                    f"DTensor.to_local() at {node.name} on a value whose placement the program "
+                    f"leaves to the planner (global shape {tuple(x.shape)}): its local shard is "
+                    f"not defined", source=user_source(node), mesh=self.mesh,
+                    fix="call x.redistribute(mesh, placements) first so the local shard is the "
+                        "one those placements name")
+            self.mesh = self.mesh or mesh
+            return self._enter(x, pls)
+        if all(u.op == "output" for u in node.users):
             self.local_outputs.add(node.name)
-        if target == "full_tensor" and self.mesh is not None:
-            from torch.distributed.tensor.placement_types import Replicate
-
-            return with_sharding_constraint(x, self.mesh, [Replicate()] * self.mesh.ndim)
+        if self.mesh is not None:
+            out = with_sharding_constraint(x, self.mesh, [Replicate()] * self.mesh.ndim)
+            self.known[id(out)] = (self.mesh, tuple(Replicate() for _ in range(self.mesh.ndim)))
+            return out
         return x
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgram:
@@ -200,15 +305,23 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
         primals = [_global_fake(fake_mode, i, example_inputs[i.index]) for i in tensor_infos]
 
     local_outputs: set[str] = set()
+    manual_nodes: set[str] = set()
+    manual_inputs: set[int] = set()
 
     def run_forward(*tensors):
         args = list(example_inputs)
-        for info, t in zip(tensor_infos, tensors):
+        known, positions = {}, {}
+        for k, (info, t) in enumerate(zip(tensor_infos, tensors)):
             args[info.index] = t
-        interp = _GlobalInterpreter(gm, mesh)
+            positions[id(t)] = k
+            if info.placements is not None:  # a DTensor, or a plain tensor mark_sharding annotated
+                known[id(t)] = (info.mesh, info.placements)
+        interp = _GlobalInterpreter(gm, mesh, known, positions)
         with torch.fx.traceback.preserve_node_meta():
             out = interp.run(*args)
         local_outputs.update(interp.local_outputs)
+        manual_nodes.update(interp.manual_nodes)
+        manual_inputs.update(interp.manual_inputs)
         return out
 
     # Forward once on fakes to learn which outputs are differentiable.
@@ -254,9 +367,39 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
     joint_gm.graph.eliminate_dead_code()
     joint_gm.recompile()
     out_args = pytree.tree_leaves(next(iter(gm.graph.find_nodes(op="output"))).args[0])
-    local = [i for i, a in enumerate(out_args) if isinstance(a, fx.Node) and a.name in local_outputs]
+    manual_outs = [i for i, a in enumerate(out_args)
+                   if isinstance(a, fx.Node) and a.name in manual_nodes]
+    local = sorted(set(manual_outs) | {i for i, a in enumerate(out_args)
+                                       if isinstance(a, fx.Node) and a.name in local_outputs})
+    if manual_nodes or manual_inputs:
+        mark_manual(joint_gm, sorted(manual_inputs),
+                    [j for j, i in enumerate(diff_outputs) if i in manual_outs])
     return JointProgram(joint_gm, infos, tensor_infos, len(flat_outs) + len(mutated), diff_outputs,
                         out_spec, mesh, local, mutated)
+
+
+MANUAL = "dynamo_dist_manual"  # node.meta key: the value is a LOCAL tensor (manual region)
+
+
+def mark_manual(gm: fx.GraphModule, manual_primals: Sequence[int],
+                manual_tangents: Sequence[int]) -> None:
+    """Flag every joint-graph node whose value is a local tensor: outputs of ``enter_manual``,
+    inputs read as local (``from_local`` on an input, and tangents of local outputs), and
+    everything computed from them, up to ``exit_manual``."""
+    from .annotations import ENTER_OP, EXIT_OP
+
+    seeds = {f"primals_{k + 1}" for k in manual_primals} | \
+        {f"tangents_{j + 1}" for j in manual_tangents}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            local = node.name in seeds
+        elif node.op != "call_function" or node.target is EXIT_OP:
+            local = False
+        else:
+            local = node.target is ENTER_OP or any(
+                a.meta.get(MANUAL) for a in node.all_input_nodes)
+        if local:
+            node.meta[MANUAL] = True
 
 
 def planned_input_placements(info: InputInfo,

@@ -9,15 +9,19 @@ arrives as a DTensor in the parameter's own placement through ``to_local``'s bac
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Replicate
 
 from inductor_passes.compile import CompiledJoint
 from inductor_passes.sharding.placements import Placements
 
 from .capture import InputInfo, contiguous_strides
+
+log = logging.getLogger("dynamo_dist")
 
 
 class _DistFunction(torch.autograd.Function):
@@ -77,6 +81,12 @@ class DistStep:
                 if tuple(x.placements) != tuple(want):
                     x = x.redistribute(self.mesh, want)
                 x = x.to_local()
+            elif info.placements is not None and self.mesh is not None:
+                # a plain global value annotated with mark_sharding: this rank's piece (a slice,
+                # differentiable: its gradient is gathered back)
+                warn_if_annotation_changed(x, info)
+                x = DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim,
+                                       run_check=False).redistribute(self.mesh, want).to_local()
             local.append(x)
         outs = _DistFunction.apply(self, *local)
         self._write_back(args, outs[self.num_user_outputs:])
@@ -100,5 +110,26 @@ class DistStep:
                 if isinstance(x, DTensor):
                     x.copy_(DTensor.from_local(new, self.mesh, pl, run_check=False,
                                                shape=x.shape, stride=x.stride()))
+                elif info.placements is not None:
+                    x.copy_(DTensor.from_local(new, self.mesh, pl, run_check=False,
+                                               shape=x.shape, stride=x.stride()).full_tensor())
                 else:
                     x.copy_(new)
+
+
+_WARNED: set[str] = set()
+
+
+def warn_if_annotation_changed(x: torch.Tensor, info: InputInfo) -> None:
+    """A plain input's mark_sharding annotation is read when the program is compiled; a later
+    change does not recompile (Dynamo does not guard on it). The compiled placement is still
+    applied, so results stay right; say so once."""
+    from .spmd import input_annotation
+
+    now = input_annotation(x)
+    if now is not None and tuple(now[1]) != tuple(info.placements) and info.name not in _WARNED:
+        _WARNED.add(info.name)
+        log.warning("dynamo_dist: input %s was marked %s after its program was compiled with %s; "
+                    "the compiled placement is used. To plan the new one, annotate inside the "
+                    "compiled function (mark_sharding there is guarded) or call "
+                    "torch._dynamo.reset()", info.name, list(now[1]), list(info.placements))

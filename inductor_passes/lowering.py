@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from dynamo_dist import _compat
-from dynamo_dist.annotations import CONSTRAINT_OP
+from dynamo_dist.annotations import CONSTRAINT_OP, ENTER_OP, EXIT_OP
 from dynamo_dist.errors import DistCompileError, describe_mesh, user_source
 from dynamo_dist.ledger import CollectiveEntry, CollectiveLedger
 from dynamo_dist.ops import MATMUL_ND
@@ -143,7 +143,7 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 continue
             targs = tensor_args(node)
             local_in = {a: moved(a, req, node, k) for k, (a, req) in enumerate(zip(targs, np.inputs))}
-            if node.target is CONSTRAINT_OP:
+            if node.target in (CONSTRAINT_OP, ENTER_OP, EXIT_OP):  # the local tensor is the value
                 env[node] = local_in[targs[0]]
                 continue
             args, kwargs = pytree.tree_map_only(

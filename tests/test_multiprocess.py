@@ -31,3 +31,12 @@ def test_four_rank_dp_tp_parity():
                    "--inductor", "0").stdout
     m = re.search(r"max relative loss difference ([0-9.e+-]+)", out)
     assert m and float(m.group(1)) <= 1e-4, out
+
+
+def test_spmd_api_and_dtensor_calls_match_one_process():
+    """mark_sharding, manual regions (with a collective in local code), local_map, DTensor
+    to_local/from_local and an eagerly annotated input, on 2 gloo ranks: values and gradients
+    equal one process's."""
+    out = torchrun("spmd_api.py", 2).stdout
+    m = re.search(r"SPMD API OK (\d+) checks", out)
+    assert m and int(m.group(1)) >= 12, out

@@ -9,6 +9,7 @@ that, all_to_all (n-1)/n of the local buffer.
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
@@ -21,14 +22,33 @@ LATENCY_BYTES = 64 * 1024
 RESLICE_COST = 1.0
 
 
+_AXIS_WEIGHTS: "weakref.WeakKeyDictionary[object, tuple[float, ...]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def set_axis_weights(mesh, weights: Sequence[float]) -> None:
+    """Per mesh axis of ``mesh`` (a DeviceMesh), the relative cost of one byte moved on it:
+    1.0 for fast links; a HybridMesh's axes that cross slices (DCN) are slower."""
+    if len(weights) != mesh.ndim or any(w <= 0 for w in weights):
+        raise ValueError(f"axis weights {tuple(weights)}: need {mesh.ndim} positive numbers")
+    _AXIS_WEIGHTS[mesh] = tuple(float(w) for w in weights)
+
+
+def axis_weights(mesh) -> tuple[float, ...]:
+    return _AXIS_WEIGHTS.get(mesh, (1.0,) * mesh.ndim)
+
+
 def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements,
-                      mesh_shape: Sequence[int], greedy: bool = False) -> float:
+                      mesh_shape: Sequence[int], greedy: bool = False,
+                      weights: Sequence[float] | None = None) -> float:
     """Estimated cost of moving a value of GLOBAL ``shape`` from ``src`` to ``dst`` placements.
 
     Axes are costed one at a time from the current placements (the order lowering uses: reduce or
     gather from the last axis to the first, then re-slice); the buffer each step moves is the
     local size at that step. ``greedy``: price a reduce_scatter as the all_reduce it turns into
     for a one-pass walk (see below); the ILP sees the later all_gather itself and does not need it.
+    ``weights``: per mesh axis, the relative cost of a byte on it (``axis_weights``); latency
+    and bytes on a slow axis are both scaled.
     """
     if src == dst:
         return 0.0
@@ -39,6 +59,7 @@ def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements,
         if s == d or type(s) is Replicate:
             continue
         local = nbytes(local_shape(shape, tuple(cur), mesh_shape), dtype)
+        before = cost
         if type(s) is Shard and type(d) is Shard:
             cost += LATENCY_BYTES + local * (n - 1) / n
             cur[axis] = d
@@ -57,6 +78,8 @@ def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements,
         else:  # Shard -> Replicate / Partial
             cost += LATENCY_BYTES + local * (n - 1)
             cur[axis] = Replicate()
+        if weights is not None:
+            cost = before + (cost - before) * weights[axis]
     for axis in range(len(mesh_shape)):
         if cur[axis] != dst[axis]:
             cost += RESLICE_COST

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial
 
-from .cost import MATMUL_OPS, compute_cost, redistribute_cost
+from .cost import MATMUL_OPS, axis_weights, compute_cost, redistribute_cost
 from .placements import Placements, fmt, is_placements, nbytes, nonpartial, replicate
 from .rules import GETITEM, OpSpec, op_strategy, replicated_spec, tensor_args
 
@@ -429,13 +429,15 @@ class EdgePricer:
     def __init__(self, gm: fx.GraphModule, mesh, origins, data_axes: Sequence[str],
                  greedy: bool = False) -> None:
         self.mesh_shape, self.greedy = tuple(mesh.shape), greedy
+        weights = axis_weights(mesh)
+        self.weights = weights if any(w != 1.0 for w in weights) else None
         self.params = parameter_views(gm, origins, _priced_axes(mesh, data_axes))
         self.data_idx = _data_idx(mesh, data_axes)
 
     def __call__(self, node: fx.Node, cur, req) -> float:
         val = node.meta["val"]
         cost = redistribute_cost(tuple(val.shape), val.dtype, cur, req, self.mesh_shape,
-                                 self.greedy)
+                                 self.greedy, self.weights)
         priced = self.params.get(node)
         if priced is not None:
             if any(cur[i].is_shard() and not req[i].is_shard() for i in priced):
@@ -519,8 +521,8 @@ def data_parallel_ok(node: fx.Node, spec: OpSpec, bwd: set, data_idx: tuple[int,
     parallelism splits samples, so forward values are split or replicated there, and Partial
     appears only for gradients (which the backward reduces). Without this the cost model, at small batch, may use the data
     axis as a second tensor-parallel axis (contractions split over it)."""
-    if not data_idx or node in bwd:
-        return True
+    if not data_idx or node in bwd or spec.source in ("manual", "constraint"):
+        return True  # the user's own placements
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor) and val.numel() == 1:
         return True  # a scalar (the loss): one small all_reduce, as DDP reduces it

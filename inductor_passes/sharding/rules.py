@@ -295,6 +295,23 @@ def replicated_spec(node: fx.Node, ndim_mesh: int, source: str) -> OpSpec:
     return OpSpec(tuple(rep for _ in tensor_args(node)), out, source)
 
 
+def manual_strategy(node: fx.Node, ndim_mesh: int) -> OpSpec | None:
+    """Manual regions (``to_local`` ... ``from_local``): a local value is planned as Replicate,
+    so nothing moves between local values and lowering runs local code as written; the region's
+    entry reads its input in the region's placements and the exit produces them."""
+    from dynamo_dist.annotations import ENTER_OP, EXIT_OP, decode_spec  # lazy: imports us
+    from dynamo_dist.capture import MANUAL
+
+    rep = tuple(Replicate() for _ in range(ndim_mesh))
+    if node.target is ENTER_OP:
+        return OpSpec((decode_spec(node.args[1])[1],), rep, "manual")
+    if node.target is EXIT_OP:
+        return OpSpec((rep,), decode_spec(node.args[1])[1], "manual")
+    if node.meta.get(MANUAL):
+        return replicated_spec(node, ndim_mesh, "manual")
+    return None
+
+
 def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: Sequence[int],
                 constraint_of: Callable[[fx.Node], Placements | None]) -> list[OpSpec]:
     """All acceptable OpSpecs for ``node`` (empty list: no rule, caller falls back).
@@ -335,7 +352,7 @@ def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> b
 
     The same rule with an even split is DTensor's, so nothing else changes for uneven pieces.
     """
-    if spec.source in ("constraint", "input"):
+    if spec.source in ("constraint", "input", "manual"):
         return True  # the user's own placements
     pairs = [(val_shape(a), p) for a, p in zip(tensor_args(node), spec.inputs)]
     n_in = len(pairs)
@@ -389,6 +406,9 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
     pinned = constraint_of(node)
     if pinned is not None:
         return [OpSpec((pinned,), pinned, "constraint")]
+    manual = manual_strategy(node, ndim)
+    if manual is not None:
+        return [manual]
     if is_random(op) and op not in _ATTENTION:  # SDPA's own rule handles its dropout
         # Random draws (bernoulli for dropout, rand, normal, ...) run replicated: every rank draws
         # the GLOBAL tensor from its own generator and consumers slice it. With the same seed on

@@ -1,0 +1,214 @@
+"""torch_xla-style sharding annotations (``torch_xla.distributed.spmd``), on DTensor placements.
+
+A partition spec has one entry per TENSOR dim: None (not split), a mesh axis (index or name), or
+a tuple of mesh axes (the dim split over several axes, outer axis first). It converts losslessly
+to DTensor placements (one per mesh axis) and back, for Shard/Replicate; ``Partial`` has no
+partition-spec form.
+
+Every function works eagerly and inside a program compiled with ``backend="dist"``, where it
+becomes graph nodes with constant arguments (no graph break; Dynamo guards on the spec, so a new
+spec compiles a new graph):
+
+  mark_sharding / with_sharding_constraint   pin a value's placement (a sharding constraint)
+  enable_manual_sharding / disable_manual_sharding   enter / leave local code (GSPMD's
+      full-to-shard / shard-to-full custom calls; DTensor's to_local / from_local)
+  local_map                                  a function written on local shards, called on
+                                             global values
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from . import _compat
+from .mesh import Mesh, as_device_mesh
+from .plans import PartitionSpec
+
+MeshLike = Mesh | DeviceMesh | None
+
+
+def _axis(mesh: DeviceMesh, axis, spec) -> int:
+    names = list(mesh.mesh_dim_names or ())
+    if isinstance(axis, int) and not isinstance(axis, bool) and 0 <= axis < mesh.ndim:
+        return axis
+    if isinstance(axis, str) and axis in names:
+        return names.index(axis)
+    raise ValueError(f"partition spec {tuple(spec)}: unknown mesh axis {axis!r}; the mesh has "
+                     f"axes {names or list(range(mesh.ndim))} (shape {tuple(mesh.shape)})")
+
+
+def partition_spec_to_placements(mesh: MeshLike, partition_spec: Sequence[Any],
+                                 ndim: int) -> tuple[Placement, ...]:
+    """Partition spec (one entry per tensor dim of an ``ndim``-D tensor) -> one placement per
+    mesh axis. Raises ValueError on an unknown axis, an axis used twice, a spec longer than the
+    tensor, or a tuple whose axes are not in mesh order (DTensor cannot express that split)."""
+    dm = as_device_mesh(mesh)
+    if len(partition_spec) != ndim:
+        raise ValueError(f"partition spec {tuple(partition_spec)} has {len(partition_spec)} "
+                         f"entries for a {ndim}-D tensor; give one entry per tensor dim (None "
+                         f"for a dim that is not split)")
+    out: list[Placement] = [Replicate()] * dm.ndim
+    used: set[int] = set()
+    for d, entry in enumerate(partition_spec):
+        axes = [_axis(dm, a, partition_spec)
+                for a in (entry if isinstance(entry, (tuple, list)) else (entry,)) if a is not None]
+        if axes != sorted(axes):
+            raise ValueError(f"partition spec {tuple(partition_spec)}: dim {d} is split over "
+                             f"mesh axes {axes} out of mesh order; list them outer axis first")
+        for a in axes:
+            if a in used:
+                raise ValueError(f"partition spec {tuple(partition_spec)}: mesh axis {a} is "
+                                 f"used twice")
+            used.add(a)
+            out[a] = Shard(d)
+    return tuple(out)
+
+
+def placements_to_partition_spec(mesh: MeshLike, placements: Sequence[Placement],
+                                 ndim: int) -> PartitionSpec:
+    """One placement per mesh axis -> partition spec of an ``ndim``-D tensor (axis names where
+    the mesh has them). Raises ValueError for Partial, which a partition spec cannot express."""
+    dm = as_device_mesh(mesh)
+    names = dm.mesh_dim_names
+    entries: list[list] = [[] for _ in range(ndim)]
+    for axis, p in enumerate(placements):
+        if isinstance(p, Partial):
+            raise ValueError(f"placements {list(placements)}: Partial on mesh axis {axis} has no "
+                             f"partition-spec form; reduce it first (redistribute to Replicate)")
+        if isinstance(p, Shard):
+            entries[p.dim % ndim].append(names[axis] if names else axis)
+    return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries))
+
+
+def _resolve(mesh: MeshLike, spec, ndim: int) -> tuple[DeviceMesh, tuple]:
+    """(DeviceMesh, one placement per mesh axis) from a partition spec or placements."""
+    dm = as_device_mesh(mesh)
+    if not torch.compiler.is_compiling():
+        # plain tensors in our programs are global values: DTensor must read them as Replicate
+        _compat.allow_implicit_replication(True)
+    if spec and all(isinstance(p, Placement) for p in spec):
+        return dm, tuple(spec)
+    return dm, partition_spec_to_placements(dm, spec, ndim)
+
+
+# plain tensors annotated eagerly: inputs of a later compiled call (read by the backend)
+_ANNOTATED = WeakTensorKeyDictionary()  # tensor -> (DeviceMesh, placements)
+
+
+def input_annotation(t: torch.Tensor) -> tuple[DeviceMesh, tuple] | None:
+    """(mesh, placements) that ``mark_sharding`` gave this plain tensor eagerly, if any."""
+    return _ANNOTATED.get(t) if not isinstance(t, DTensor) else None
+
+
+def mark_sharding(t: torch.Tensor, mesh: MeshLike, partition_spec: Sequence[Any]) -> torch.Tensor:
+    """Annotate ``t`` (GLOBAL shape) with a partition spec (or placements, one per mesh axis).
+
+    Inside a compiled program: a sharding constraint node; returns the constrained value, which
+    the program must use. Eagerly on a plain tensor (a global value, the same on every rank):
+    records the annotation, so that passing ``t`` to a compiled program plans it in that
+    placement (each rank slices its piece; no communication), and returns the DTensor of it.
+    Eagerly on a DTensor: returns ``t`` redistributed. ``mesh`` None: the global mesh.
+    Raises ValueError for a bad spec (see ``partition_spec_to_placements``).
+    """
+    from .annotations import with_sharding_constraint
+
+    dm, pls = _resolve(mesh, partition_spec, t.ndim)
+    if torch.compiler.is_compiling():
+        return with_sharding_constraint(t, dm, pls)
+    if isinstance(t, DTensor):
+        return t.redistribute(dm, pls)
+    from .plans import validate_placements
+
+    validate_placements("mark_sharding", tuple(t.shape), dm, pls)
+    _ANNOTATED[t] = (dm, pls)
+    return DTensor.from_local(t, dm, [Replicate()] * dm.ndim, run_check=False).redistribute(dm, pls)
+
+
+def clear_sharding(t: torch.Tensor) -> torch.Tensor:
+    """Drop an eager ``mark_sharding`` annotation: ``t`` is again a replicated global value
+    (a DTensor is returned as its full value). Returns the plain tensor."""
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    _ANNOTATED.pop(t, None)
+    return t
+
+
+def with_sharding_constraint(t: torch.Tensor, mesh: MeshLike, spec: Sequence[Any]) -> torch.Tensor:
+    """Pin ``t`` to a partition spec or to placements at this point of the program (JAX's
+    ``with_sharding_constraint``). Returns the constrained value. Raises ValueError on a bad
+    spec."""
+    from .annotations import with_sharding_constraint as constrain
+
+    dm, pls = _resolve(mesh, spec, t.ndim)
+    return constrain(t, dm, pls)
+
+
+def enable_manual_sharding(t: torch.Tensor, partition_spec: Sequence[Any], *,
+                           mesh: MeshLike = None) -> torch.Tensor:
+    """GLOBAL ``t`` -> this rank's LOCAL piece under ``partition_spec`` (GSPMD full-to-shard).
+    Code on the result is local code: it runs as written on every rank, collectives included.
+    Pair with ``disable_manual_sharding``. Raises ValueError on a bad spec; under compile,
+    DistCompileError when the split is uneven."""
+    dm, pls = _resolve(mesh, partition_spec, t.ndim)
+    if not isinstance(t, DTensor):
+        t = DTensor.from_local(t, dm, [Replicate()] * dm.ndim, run_check=False)
+    return t.redistribute(dm, pls).to_local()
+
+
+def disable_manual_sharding(t: torch.Tensor, partition_spec: Sequence[Any],
+                            full_shape: Sequence[int], *, mesh: MeshLike = None) -> torch.Tensor:
+    """This rank's LOCAL ``t`` -> the GLOBAL value of ``full_shape`` it is a piece of under
+    ``partition_spec`` (GSPMD shard-to-full). Returns a DTensor (a global value). Raises
+    ValueError on a bad spec."""
+    from .capture import contiguous_strides
+
+    dm, pls = _resolve(mesh, partition_spec, len(full_shape))
+    return DTensor.from_local(t, dm, pls, run_check=False, shape=torch.Size(full_shape),
+                              stride=contiguous_strides(full_shape))
+
+
+def local_map(out_specs: Any, in_specs: Sequence[Any], *, mesh: MeshLike = None,
+              out_shapes: Callable[..., Any] | None = None) -> Callable:
+    """Decorator: ``fn`` is written on LOCAL shards; the decorated function takes and returns
+    GLOBAL values. Each positional tensor argument enters in its spec of ``in_specs`` (a
+    partition spec, placements, or None: passed as is); each tensor result leaves in
+    ``out_specs`` (one spec, or a tuple of specs for a tuple result). Global output shapes are
+    the local ones scaled by the split (even splits), or ``out_shapes(*global_args)``.
+    (DTensor's ``local_map`` and JAX's ``shard_map`` follow the same contract.)"""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            dm = as_device_mesh(mesh)
+            local = [a if spec is None or not isinstance(a, torch.Tensor) else
+                     enable_manual_sharding(a, spec, mesh=dm) for a, spec in zip(args, in_specs)]
+            out = fn(*local, *args[len(in_specs):], **kwargs)
+            single = isinstance(out, torch.Tensor)
+            outs, specs = ((out,), (out_specs,)) if single else (tuple(out), tuple(out_specs))
+            shapes = out_shapes(*args) if out_shapes is not None else None
+            shapes = (shapes,) if single and shapes is not None else shapes
+            res = []
+            for k, (o, spec) in enumerate(zip(outs, specs)):
+                if spec is None or not isinstance(o, torch.Tensor):
+                    res.append(o)
+                    continue
+                shape = shapes[k] if shapes is not None else _global_shape(o, dm, spec)
+                res.append(disable_manual_sharding(o, spec, shape, mesh=dm))
+            return res[0] if single else type(out)(res)
+        return run
+    return wrap
+
+
+def _global_shape(local: torch.Tensor, mesh: DeviceMesh, spec) -> list[int]:
+    _, pls = _resolve(mesh, spec, local.ndim)
+    shape = list(local.shape)
+    for axis, p in enumerate(pls):
+        if isinstance(p, Shard):
+            shape[p.dim] *= mesh.shape[axis]
+    return shape
