@@ -79,6 +79,14 @@ def assume_constant_result(fn: Callable) -> Callable:
     return torch._dynamo.assume_constant_result(fn)
 
 
+# -- c10d (2.13, 2.11) -----------------------------------------------------------------------
+def default_store():
+    """The default process group's key-value store (used to compare ranks' compiled programs)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
 # -- Local tensor simulation (2.13) ----------------------------------------------------------
 def disable_local_tensor_mode() -> contextlib.AbstractContextManager:
     """A backend must not run its own tracing under LocalTensorMode (it would recurse)."""
@@ -200,7 +208,9 @@ def install_dynamo_tracing_fallback() -> None:
 
     from torch._dynamo.callback import callback_handler
 
-    prop.propagate_op_sharding_non_cached = propagate
+    # Eager DTensor calls between two compiled graphs (``.item()`` after a graph break) run
+    # while Dynamo's frame hook is active, and it would try to compile this frame.
+    prop.propagate_op_sharding_non_cached = torch.compiler.disable(propagate)
     prop._dynamo_dist_fallback = True
     # DTensor runs some ops through handlers of its own (convolution, as_strided, argmax...)
     # that bypass propagation: while tracing for dist they run on replicated values too.
@@ -317,6 +327,7 @@ def _replicating_handler(handler):
         return pytree.tree_map_only(
             torch.Tensor, lambda o: DTensor.from_local(o, meshes[0], reps, run_check=False), out)
 
+    run = torch.compiler.disable(run)
     run._dynamo_dist_original = handler
     return run
 
@@ -347,3 +358,174 @@ def _replicated_output_specs(prop, op_schema):
     if isinstance(meta, (tuple, list)):
         return tuple(None if m is None else DTensorSpec(mesh, reps, tensor_meta=m) for m in meta)
     return None
+
+
+
+# == Dynamo: distributed metadata folded with correct guards ================================
+# Appended for "distributed metadata constant-folded with correct guards" (tests:
+# tests/test_metadata_folding.py). Checked on torch 2.13.0; on builds without these Dynamo
+# internals (2.11) each install_* below returns False and patches nothing.
+#
+# torch 2.13 already folds the metadata queries of DeviceMesh, ProcessGroup and placements
+# (they are registered as "opaque" types whose USE_REAL members run on the real object), and
+# dist.get_rank / get_world_size. Three gaps remain, each fixed here:
+#   1. Slicing (``mesh["tp"]``) and ``get_group`` on a slice are recorded as FX call_method
+#      nodes that Dynamo keeps even when only a folded constant was read from their result
+#      (``x * mesh["tp"].size()``). The dead node keeps the whole mesh as a graph input, and our
+#      capture then plans the program over that mesh: a plain-tensor program returns DTensors,
+#      and one on a slice of it fails with "inputs live on different device meshes".
+#   2. A ProcessGroup is guarded on its type only (torch registers it with no guard_fn), so
+#      ``g.rank()``, ``g.size()``, ``dist.get_rank(g)``, ``dist.get_world_size(g)`` on a group
+#      passed in keep the first group's values when another group of the same type comes.
+#   3. An int read off a placement or a dynamo_dist Mesh passed as an argument
+#      (``p.dim``, ``m.mesh_shape[0]``) gets a source, so after a change Dynamo makes it a
+#      dynamic SymInt graph input (automatic dynamic) -- a placement dim or mesh size is not a
+#      runtime value, and the dist backend rejects such inputs. Read while tracing for
+#      ``dist``, these become constants guarded by equality on their owner.
+MESH_LOOKUP_METHODS = frozenset({"__getitem__", "get_group", "_get_root_mesh"})
+MESH_VALUE_ATTRS = ("device_ids", "mesh_shape", "axis_names")  # what Mesh.__eq__ compares
+
+
+def _real_object(value: Any) -> Any:
+    """The real object behind Dynamo's example value of an opaque object (a FakeScriptObject)."""
+    return getattr(value, "real_obj", value)
+
+
+def drop_dead_mesh_lookups(graph: "torch.fx.Graph", remove: Callable | None = None) -> int:
+    """(1) Remove ``call_method`` nodes in ``MESH_LOOKUP_METHODS`` on a DeviceMesh whose result
+    is unused (slicing and group lookup have no side effects: a slice reuses its parent's
+    process groups). ``remove`` erases a node (Dynamo's ``OutputGraph.remove_node``; default
+    ``graph.erase_node``). Returns how many nodes were removed."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    remove = remove or graph.erase_node
+    removed = 0
+    for node in reversed(list(graph.nodes)):
+        receiver = node.args[0] if node.op == "call_method" and node.args else None
+        if (node.target in MESH_LOOKUP_METHODS and not node.users
+                and isinstance(receiver, torch.fx.Node)
+                and isinstance(_real_object(receiver.meta.get("example_value")), DeviceMesh)):
+            remove(node)
+            removed += 1
+    return removed
+
+
+def install_dead_mesh_lookup_removal() -> bool:
+    """(1) While Dynamo traces for ``dist``, drop dead mesh lookups just before it prunes unused
+    graph inputs (so the mesh input goes too; the guards installed on the mesh when it was read
+    stay). Other backends are unchanged. Idempotent; False where this torch lacks the hook."""
+    try:
+        from torch._dynamo.output_graph import OutputGraph
+    except ImportError:
+        return False
+    original = getattr(OutputGraph, "remove_unused_graphargs", None)
+    if original is None:
+        return False
+    if getattr(original, "_dynamo_dist_patch", False):
+        return True
+
+    def remove_unused_graphargs(self, *args, **kwargs):
+        if dist_backend_is_tracing():
+            drop_dead_mesh_lookups(self.graph, self.remove_node)
+        return original(self, *args, **kwargs)
+
+    remove_unused_graphargs._dynamo_dist_patch = True
+    OutputGraph.remove_unused_graphargs = remove_unused_graphargs
+    return True
+
+
+def process_group_guard_values(pg: Any) -> list:
+    """(2) What a compiled frame that read ``pg`` depends on: its name (unique among live
+    groups), this process's rank in it and its size."""
+    return [pg.group_name, pg.rank(), pg.size()]
+
+
+def install_process_group_guard() -> bool:
+    """(2) Give torch's opaque-type registration of ProcessGroup a guard_fn, so a frame that
+    folded a group's rank/size recompiles for another group. Applies to every backend (it only
+    adds recompiles where a folded value would be stale). Idempotent; False where ProcessGroup
+    is not an opaque type (torch 2.11)."""
+    try:
+        from torch._library.opaque_object import get_opaque_obj_info
+        from torch.distributed import ProcessGroup
+        from torch.distributed.device_mesh import _register_distributed_opaque_types
+    except ImportError:
+        return False
+    _register_distributed_opaque_types()  # torch's own (once); ours refines it
+    info = get_opaque_obj_info(ProcessGroup)
+    if info is None or getattr(info, "opaque_typ", None) != "reference" \
+            or not hasattr(info, "guard_fn"):
+        return False
+    if info.guard_fn is None:  # (registering again is refused by torch's C++ side)
+        info.guard_fn = process_group_guard_values
+    return True
+
+
+_METADATA_TYPES: tuple = ()  # (Mesh, Placement), filled by install_metadata_attr_folding
+
+
+def _folded_metadata_attr(var: Any, tx: Any, name: str) -> Any:
+    """(3) The attribute ``name`` of a placement or a dynamo_dist Mesh as a guarded constant
+    VariableTracker, or None to let Dynamo read it as usual."""
+    obj = getattr(var, "value", None)
+    if not isinstance(obj, _METADATA_TYPES):  # every user-defined object's reads pass here
+        return None
+    from torch._dynamo.variables.base import VariableTracker
+
+    from .mesh import Mesh
+
+    if isinstance(obj, Mesh):
+        # only a mesh made before the compiled region (it has a source) and not written to in
+        # it: one made inside is traced as usual (its attributes are constants there anyway)
+        if (name not in MESH_VALUE_ATTRS or var.source is None or not dist_backend_is_tracing()
+                or tx.output.side_effects.has_pending_mutation_of_attr(var, name)):
+            return None
+        from torch._dynamo.guards import GuardBuilder, install_guard
+        from torch._dynamo.source import AttrSource
+
+        # guarded on exactly what is read, by equality
+        install_guard(AttrSource(var.source, name).make_guard(GuardBuilder.CONSTANT_MATCH))
+        return VariableTracker.build(tx, getattr(obj, name))
+    # a placement: a value-type opaque object, which Dynamo guards by equality (CONSTANT_MATCH)
+    # wherever it has a source; that fixes every attribute
+    from torch._library.opaque_object import is_opaque_value_type
+
+    value = getattr(obj, name, None)
+    if (not is_opaque_value_type(type(obj)) or callable(value) or name.startswith("__")
+            or not dist_backend_is_tracing()):
+        return None
+    return VariableTracker.build(tx, value)
+
+
+def install_metadata_attr_folding() -> bool:
+    """(3) While Dynamo traces for ``dist``, read placement attributes and the value attributes
+    of dynamo_dist Mesh (``MESH_VALUE_ATTRS``) as constants guarded by equality. Idempotent;
+    False where this torch lacks what it needs (torch 2.11)."""
+    global _METADATA_TYPES
+    try:
+        from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
+        from torch._library.opaque_object import is_opaque_value_type  # noqa: F401
+        from torch.distributed.tensor.placement_types import Placement
+    except ImportError:
+        return False
+    from .mesh import Mesh
+
+    _METADATA_TYPES = (Mesh, Placement)
+    original = UserDefinedObjectVariable.var_getattr
+    if getattr(original, "_dynamo_dist_patch", False):
+        return True
+
+    def var_getattr(self, tx, name):
+        folded = _folded_metadata_attr(self, tx, name)
+        return folded if folded is not None else original(self, tx, name)
+
+    var_getattr._dynamo_dist_patch = True
+    UserDefinedObjectVariable.var_getattr = var_getattr
+    return True
+
+
+if torch.distributed.is_available():
+    install_dead_mesh_lookup_removal()
+    install_process_group_guard()
+    install_metadata_attr_folding()
+# == end: distributed metadata folded with correct guards ===================================

@@ -110,14 +110,18 @@ CONSTRAINT_OP = torch.ops.dynamo_dist.sharding_constraint.default
 # global graph such values carry their local shapes and are planned as Replicate (nothing is
 # moved between them); the two ops mark where values cross between the two worlds.
 
-def gradient_spec(spec: str) -> str:
-    """Placements of the cotangent crossing a region boundary the other way, per mesh axis:
-    Shard(d) stays Shard(d); Replicate becomes Partial(sum) (each rank's local code adds its own
-    term to the gradient of a value every rank read whole); Partial becomes Replicate (every
-    rank's share of a sum has the sum's gradient). One map serves both directions, so a
-    Replicate value that enters and leaves a region unchanged gets its gradient exactly once."""
+def gradient_spec(spec: str, entering: bool) -> str:
+    """Placements of the cotangent that crosses a region boundary the other way, per mesh axis.
+
+    Shard(d) stays Shard(d); Partial becomes Replicate (every rank's share of a sum has the
+    sum's gradient). Replicate: the gradient of a value every rank read whole (``entering``) is
+    Partial(sum), each rank's local code adding its own term; where that local code did the same
+    on every rank (nothing in it varies over the axis) ``manual.mark_manual`` makes it
+    Replicate again, so a redundant computation is not counted once per rank (JAX shard_map's
+    replication tracking makes the same distinction). The gradient of a value that left a region
+    as Replicate (``entering`` False) enters as Replicate (DTensor's from_local convention)."""
     key, pls = decode_spec(spec)
-    swapped = tuple(Partial("sum") if isinstance(p, Replicate) else
+    swapped = tuple(Partial("sum") if isinstance(p, Replicate) and entering else
                     Replicate() if isinstance(p, Partial) else p for p in pls)
     return f"{key}|{fmt(swapped)}"
 
@@ -164,7 +168,7 @@ def _enter_setup(ctx, inputs, output):
 
 
 def _enter_backward(ctx, grad):
-    return exit_manual(grad, gradient_spec(ctx.spec), ctx.shape), None
+    return exit_manual(grad, gradient_spec(ctx.spec, entering=True), ctx.shape), None
 
 
 def _exit_setup(ctx, inputs, output):
@@ -172,7 +176,7 @@ def _exit_setup(ctx, inputs, output):
 
 
 def _exit_backward(ctx, grad):
-    return enter_manual(grad, gradient_spec(ctx.spec)), None, None
+    return enter_manual(grad, gradient_spec(ctx.spec, entering=False)), None, None
 
 
 enter_manual.register_autograd(_enter_backward, setup_context=_enter_setup)

@@ -28,7 +28,8 @@ from . import _compat
 from .agreement import plan_once
 from .annotations import CONSTRAINT_OP, data_axes, decode_spec, mesh_from_key
 from .capture import JointProgram, planned_input_placements, trace_joint
-from .errors import DistCompileError
+from .divergence import check_same_schedule
+from .errors import DistCompileError, user_source
 from .ledger import CollectiveLedger
 from .runtime import DistStep
 
@@ -66,7 +67,23 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
     """
     opts = dict(options or {})
     with _compat.disable_local_tensor_mode():
-        return _compile(gm, list(example_inputs), bool(opts.pop("inductor", True)))
+        compiled = _compile(gm, list(example_inputs), bool(opts.pop("inductor", True)))
+    # every rank must issue the same collectives; compare before anything runs (no hang)
+    graphs = [gm]
+    if isinstance(compiled, DistStep):
+        joint = compiled.joint
+        graphs = [g for g in (joint.fw_graph, joint.bw_graph) if g is not None]
+    check_same_schedule(graphs, f"graph of {_code_name(gm)}")
+    return compiled
+
+
+def _code_name(gm: fx.GraphModule) -> str:
+    """The user function Dynamo compiled, as 'file:line fn' where Dynamo recorded it."""
+    for node in gm.graph.nodes:
+        src = user_source(node)
+        if src:
+            return src.split(": ")[0]
+    return "a graph with no user source"
 
 
 def _dump_base(index: int) -> str | None:

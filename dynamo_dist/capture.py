@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -25,6 +26,8 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 from . import _compat
 from .errors import DistCompileError, user_source
 from .ops import matmul_nd, wants_matmul_nd
+
+log = logging.getLogger("dynamo_dist")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +266,18 @@ class _GlobalInterpreter(fx.Interpreter):
             return out
         if target == "to_local":
             mesh, pls = self.known.get(id(x), (None, None))
+            seen = node.args[0].meta.get("example_value") if isinstance(node.args[0], fx.Node) \
+                else None
+            if pls is None and isinstance(seen, DTensor) and self.mesh is not None:
+                # The placement Dynamo's example value had, which is what the user's Python saw
+                # (branches such as parallelize_module's "redistribute unless already in the
+                # output layout" were taken on it). While tracing for dist, DTensor propagation
+                # replicates (``_compat.install_dynamo_tracing_fallback``): local = the whole
+                # value. Eager DTensor may have held a shard or a partial sum here instead.
+                pls = normalize(tuple(seen.placements), x.ndim)
+                log.info("dynamo_dist: %s: to_local() of a value the planner places; read as "
+                         "%s (pin it with redistribute for another local shard)",
+                         user_source(node) or node.name, list(pls))
             if pls is None:
                 raise DistCompileError(
                     f"DTensor.to_local() at {node.name} on a value whose placement the program "
@@ -372,34 +387,11 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
     local = sorted(set(manual_outs) | {i for i, a in enumerate(out_args)
                                        if isinstance(a, fx.Node) and a.name in local_outputs})
     if manual_nodes or manual_inputs:
-        mark_manual(joint_gm, sorted(manual_inputs),
-                    [j for j, i in enumerate(diff_outputs) if i in manual_outs])
+        from .manual import mark_manual
+
+        mark_manual(joint_gm, mesh, sorted(manual_inputs), manual_outs, diff_outputs)
     return JointProgram(joint_gm, infos, tensor_infos, len(flat_outs) + len(mutated), diff_outputs,
                         out_spec, mesh, local, mutated)
-
-
-MANUAL = "dynamo_dist_manual"  # node.meta key: the value is a LOCAL tensor (manual region)
-
-
-def mark_manual(gm: fx.GraphModule, manual_primals: Sequence[int],
-                manual_tangents: Sequence[int]) -> None:
-    """Flag every joint-graph node whose value is a local tensor: outputs of ``enter_manual``,
-    inputs read as local (``from_local`` on an input, and tangents of local outputs), and
-    everything computed from them, up to ``exit_manual``."""
-    from .annotations import ENTER_OP, EXIT_OP
-
-    seeds = {f"primals_{k + 1}" for k in manual_primals} | \
-        {f"tangents_{j + 1}" for j in manual_tangents}
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            local = node.name in seeds
-        elif node.op != "call_function" or node.target is EXIT_OP:
-            local = False
-        else:
-            local = node.target is ENTER_OP or any(
-                a.meta.get(MANUAL) for a in node.all_input_nodes)
-        if local:
-            node.meta[MANUAL] = True
 
 
 def planned_input_placements(info: InputInfo,

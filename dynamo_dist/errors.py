@@ -43,13 +43,24 @@ def describe_mesh(mesh: Any) -> str:
 
 
 def user_source(node: Any) -> str | None:
-    """The last user frame of an FX node's stack trace, as 'file:line in fn: code'."""
+    """The innermost USER frame of an FX node's stack trace, as 'file:line in fn: code': frames
+    inside torch (an inlined ``funcol.all_reduce``) or this package are skipped when a user
+    frame exists."""
     trace = getattr(node, "meta", {}).get("stack_trace") if node is not None else None
     if not trace:
         return None
     frames = [ln.strip() for ln in trace.strip().splitlines()]
-    for i in range(len(frames) - 1, -1, -1):
-        if frames[i].startswith("File "):
-            code = frames[i + 1] if i + 1 < len(frames) else ""
-            return f"{frames[i][5:]}: {code}".strip()
-    return frames[-1]
+    found = []
+    for i, line in enumerate(frames):
+        if line.startswith("File "):
+            code = frames[i + 1] if i + 1 < len(frames) and \
+                not frames[i + 1].startswith("File ") else ""
+            found.append((line[5:], code))
+    if not found:
+        return frames[-1]
+    users = [f for f in found if not any(p in f[0] for p in _LIBRARY_PATHS)]
+    where, code = (users or found)[-1]
+    return f"{where}: {code}".strip()
+
+
+_LIBRARY_PATHS = ("/site-packages/torch/", "/dynamo_dist/", "/inductor_passes/")

@@ -87,3 +87,19 @@ def test_eager_dtensor_before_compiling_does_not_leak_into_tracing(fake_mesh):
                       options={"inductor": False})(x, idx)
     text = str(info.value)  # ours, carried through DTensor's and Dynamo's wrappers
     assert "cannot be traced for the dist backend" in text and "depends on tensor data" in text
+
+
+def test_eager_dtensor_op_between_compiled_graphs(fake_mesh):
+    """``.item()`` breaks the graph; the eager DTensor call after it runs under Dynamo's frame
+    hook, which must not try to compile our propagation fallback (it did: AttributeError on
+    current_tx)."""
+    mesh = fake_mesh((2,), ("tp",))
+    w = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+
+    def f(x):
+        s = (x @ w).sum().item()
+        return x * s
+
+    x = torch.randn(2, 4)
+    out = torch.compile(f, backend="dist", options={"inductor": False})(x)
+    assert out.shape == (2, 4)

@@ -39,4 +39,11 @@ def test_spmd_api_and_dtensor_calls_match_one_process():
     equal one process's."""
     out = torchrun("spmd_api.py", 2).stdout
     m = re.search(r"SPMD API OK (\d+) checks", out)
-    assert m and int(m.group(1)) >= 12, out
+    assert m and int(m.group(1)) >= 17, out
+
+
+def test_rank_divergent_collectives_fail_fast_on_every_rank():
+    """A collective on rank 0 only: compilation fails on both ranks with the first difference
+    named (the launcher's timeout would catch a hang)."""
+    out = torchrun("rank_divergence.py", 2, timeout=240).stdout
+    assert out.count("DIVERGENCE CAUGHT rank") == 2 and "MISSING RANK CAUGHT" in out, out

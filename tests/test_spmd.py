@@ -185,13 +185,14 @@ def test_manual_region_is_planned_local_and_replicated(fake_mesh):
     assert not any(e.node in {n.name for n in inside} for e in record.ledger.entries)
 
 
-def test_gradient_spec_swaps_replicate_and_partial(fake_mesh):
+def test_gradient_spec_at_region_boundaries(fake_mesh):
     dm = fake_mesh((2, 2), ("dp", "tp"))
     from dynamo_dist.annotations import decode_spec, encode_spec
 
     spec = encode_spec(dm, (Shard(1), Replicate()))
-    assert decode_spec(gradient_spec(spec))[1] == (Shard(1), Partial("sum"))
-    assert decode_spec(gradient_spec(encode_spec(dm, (Partial(), Shard(0)))))[1] == \
+    assert decode_spec(gradient_spec(spec, entering=True))[1] == (Shard(1), Partial("sum"))
+    assert decode_spec(gradient_spec(spec, entering=False))[1] == (Shard(1), Replicate())
+    assert decode_spec(gradient_spec(encode_spec(dm, (Partial(), Shard(0))), True))[1] == \
         (Replicate(), Shard(0))
 
 
@@ -205,14 +206,30 @@ def test_manual_region_errors_are_clear(fake_mesh):
     with pytest.raises(Exception, match="splits a tensor of global shape \\(5,\\) unevenly"):
         torch.compile(uneven, backend="dist", fullgraph=True)(torch.randn(5))
 
-    def unplanned(w, x):
-        return (w @ x).to_local().sum()
 
-    torch._dynamo.reset()
+
+def test_to_local_of_a_planned_value_reads_what_dynamo_saw(fake_mesh):
+    """to_local() of a value the planner places (no redistribute before it) is read in the
+    placement the program observed while Dynamo traced (Replicate: the whole value), which is
+    what branches on ``.placements`` in the user's code (parallelize_module's hooks) saw."""
+    dm = fake_mesh((2,), ("tp",))
     w = distribute_tensor(torch.randn(4, 4), dm, [Shard(0)])
     x = distribute_tensor(torch.randn(4, 4), dm, [Replicate()])
-    with pytest.raises(Exception, match="redistribute\\(mesh, placements\\) first"):
-        torch.compile(unplanned, backend="dist", fullgraph=True)(w, x)
+
+    def unplanned(w, x):
+        y = w @ x
+        assert y.placements == (Replicate(),)  # what the program sees while Dynamo traces
+        return y.to_local() * 2
+
+    out = torch.compile(unplanned, backend="dist", fullgraph=True)(w, x)
+    assert not isinstance(out, DTensor) and out.shape == (4, 4)
+    plan = dynamodist_plan()
+    enter = next(n for n in plan.nodes if n.startswith("enter_manual"))
+    assert plan.nodes[enter].inputs == ((Replicate(),),)
+
+
+def dynamodist_plan():
+    return dynamo_dist.compile_records()[-1].plan
 
 
 def test_eager_mark_sharding_returns_the_dtensor(fake_mesh):

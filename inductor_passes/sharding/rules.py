@@ -300,7 +300,7 @@ def manual_strategy(node: fx.Node, ndim_mesh: int) -> OpSpec | None:
     so nothing moves between local values and lowering runs local code as written; the region's
     entry reads its input in the region's placements and the exit produces them."""
     from dynamo_dist.annotations import ENTER_OP, EXIT_OP, decode_spec  # lazy: imports us
-    from dynamo_dist.capture import MANUAL
+    from dynamo_dist.manual import MANUAL
 
     rep = tuple(Replicate() for _ in range(ndim_mesh))
     if node.target is ENTER_OP:

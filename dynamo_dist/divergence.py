@@ -1,0 +1,120 @@
+"""Rank divergence: every rank must run the same collective schedule, or the job hangs.
+
+A compiled graph can be specialised per rank (Dynamo folds ``dist.get_rank()`` into constants, and
+our lowering specialises local shapes by mesh coordinate); that is fine as long as every rank
+issues the same collectives, in the same order, on the same groups. After each ``dist``
+compilation, every rank publishes its graph's collective schedule in the process group's store
+and reads every other rank's. Any difference, or a rank that does not compile the same graph
+within ``DYNAMO_DIST_SCHEDULE_TIMEOUT`` seconds (default 120), fails compilation on every rank
+with the first difference named, instead of a hang at the first mismatched collective.
+(XLA's SPMD partitioner has no such check: it cannot diverge, since it compiles one program for
+all ranks; PyTorch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks collectives at run time.)
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from . import _compat
+from .errors import DistCompileError, user_source
+
+_COUNT = {"graphs": 0}
+
+
+def collective_schedule(graphs: Iterable[fx.GraphModule]) -> list[dict]:
+    """The collectives of ``graphs``, in order: kind, arguments that are not tensors (reduce op,
+    group name, ...), and the LOCAL shape and dtype of the first tensor argument."""
+    out = []
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            name = str(node.target) if node.op == "call_function" else ""
+            if not name.startswith("_c10d_functional.") or "wait_tensor" in name:
+                continue
+            kind = name.split(".")[1]
+            consts = [a for a in node.args[1:] if isinstance(a, (str, int, float))]
+            first = node.args[0] if node.args else None
+            val = first.meta.get("val", first.meta.get("example_value")) \
+                if isinstance(first, fx.Node) else None
+            vals = val if isinstance(val, (list, tuple)) else [val]
+            shapes = [list(v.shape) for v in vals if isinstance(v, torch.Tensor)]
+            dtype = next((str(v.dtype) for v in vals if isinstance(v, torch.Tensor)), None)
+            out.append({"kind": kind, "args": consts, "shapes": shapes, "dtype": dtype,
+                        "at": user_source(node) or ""})
+    return out
+
+
+def _key(entry: dict) -> str:
+    return json.dumps({k: v for k, v in entry.items() if k != "at"}, sort_keys=True)
+
+
+def check_same_schedule(graphs: Iterable[fx.GraphModule], what: str) -> None:
+    """Compare this graph's collective schedule with every other rank's (see module doc).
+
+    No-op without an initialised process group of more than one rank, and on the ``fake``
+    backend (no peers to talk to). Raises DistCompileError on every rank when the schedules
+    differ or a rank does not report in time."""
+    _COUNT["graphs"] += 1
+    if not dist.is_initialized() or dist.get_world_size() == 1 or \
+            dist.get_backend() == "fake":
+        return
+    schedule = collective_schedule(graphs)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    digest = hashlib.sha256("\n".join(map(_key, schedule)).encode()).hexdigest()[:16]
+    store = _compat.default_store()
+    prefix = f"dynamo_dist/schedule/{_COUNT['graphs']}"
+    store.set(f"{prefix}/{rank}", json.dumps({"digest": digest, "schedule": schedule,
+                                              "what": what}))
+    timeout = float(os.environ.get("DYNAMO_DIST_SCHEDULE_TIMEOUT", "120"))
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # a rank never compiled this graph (it broke or recompiled elsewhere)
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise DistCompileError(
+            f"rank divergence: ranks {missing} did not compile graph #{_COUNT['graphs']} "
+            f"({what}) within {timeout:.0f} s; ranks that compile different graphs would hang "
+            f"at their first collective", source=schedule[0]["at"] if schedule else None,
+            fix="make the compiled code the same on every rank: no Python branches on "
+                "dist.get_rank() or mesh coordinates around collectives or graph breaks "
+                "(compute rank-dependent values as tensors instead); "
+                "DYNAMO_DIST_SCHEDULE_TIMEOUT sets the wait") from exc
+    others = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
+    if len({o["digest"] for o in others.values()}) == 1:
+        return
+    raise DistCompileError(_describe(others, rank), source=_first_source(others),
+                           fix="issue the same collectives on every rank: move "
+                               "rank-dependent Python control flow (if dist.get_rank() == 0: "
+                               "...) off collectives, or make the branch a tensor computation")
+
+
+def _describe(reports: dict[int, dict], me: int) -> str:
+    scheds = {r: o["schedule"] for r, o in reports.items()}
+    longest = max(len(s) for s in scheds.values())
+    for i in range(longest):
+        here = {r: (_key(s[i]) if i < len(s) else None) for r, s in scheds.items()}
+        if len(set(here.values())) > 1:
+            break
+    lines = [f"rank divergence: ranks would run different collective schedules for graph "
+             f"#{_COUNT['graphs']} ({reports[me]['what']}); first difference at collective #{i}:"]
+    for r, s in sorted(scheds.items()):
+        entry = s[i] if i < len(s) else None
+        desc = "no collective" if entry is None else \
+            f"{entry['kind']}{tuple(entry['args'])} {entry['shapes']} {entry['dtype']} at {entry['at']}"
+        lines.append(f"    rank {r}: {desc} ({len(s)} collectives in all)")
+    return "\n".join(lines)
+
+
+def _first_source(reports: dict[int, dict]) -> str | None:
+    for o in reports.values():
+        for e in o["schedule"]:
+            if e["at"]:
+                return e["at"]
+    return None
