@@ -457,24 +457,32 @@ def install_process_group_guard() -> bool:
             or not hasattr(info, "guard_fn"):
         return False
     if info.guard_fn is None:  # (registering again is refused by torch's C++ side)
-        info.guard_fn = process_group_guard_values
+        try:
+            info.guard_fn = process_group_guard_values
+        except AttributeError:  # a frozen registration record on some other build
+            return False
     return True
 
 
-_METADATA_TYPES: tuple = ()  # (Mesh, Placement), filled by install_metadata_attr_folding
+_METADATA_TYPES: tuple = ()  # (Mesh, Placement), resolved on first use (no import cycle)
 
 
 def _folded_metadata_attr(var: Any, tx: Any, name: str) -> Any:
     """(3) The attribute ``name`` of a placement or a dynamo_dist Mesh as a guarded constant
     VariableTracker, or None to let Dynamo read it as usual."""
+    global _METADATA_TYPES
+    if not _METADATA_TYPES:
+        from torch.distributed.tensor.placement_types import Placement
+
+        from .mesh import Mesh
+
+        _METADATA_TYPES = (Mesh, Placement)
     obj = getattr(var, "value", None)
     if not isinstance(obj, _METADATA_TYPES):  # every user-defined object's reads pass here
         return None
     from torch._dynamo.variables.base import VariableTracker
 
-    from .mesh import Mesh
-
-    if isinstance(obj, Mesh):
+    if isinstance(obj, _METADATA_TYPES[0]):  # a dynamo_dist Mesh
         # only a mesh made before the compiled region (it has a source) and not written to in
         # it: one made inside is traced as usual (its attributes are constants there anyway)
         if (name not in MESH_VALUE_ATTRS or var.source is None or not dist_backend_is_tracing()
@@ -501,16 +509,11 @@ def install_metadata_attr_folding() -> bool:
     """(3) While Dynamo traces for ``dist``, read placement attributes and the value attributes
     of dynamo_dist Mesh (``MESH_VALUE_ATTRS``) as constants guarded by equality. Idempotent;
     False where this torch lacks what it needs (torch 2.11)."""
-    global _METADATA_TYPES
     try:
         from torch._dynamo.variables.user_defined import UserDefinedObjectVariable
         from torch._library.opaque_object import is_opaque_value_type  # noqa: F401
-        from torch.distributed.tensor.placement_types import Placement
     except ImportError:
         return False
-    from .mesh import Mesh
-
-    _METADATA_TYPES = (Mesh, Placement)
     original = UserDefinedObjectVariable.var_getattr
     if getattr(original, "_dynamo_dist_patch", False):
         return True

@@ -90,6 +90,13 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
             mesh, pls = input_annotation(x) or (None, None)
             infos.append(InputInfo(i, name, "tensor", tuple(x.shape), x.dtype, x.requires_grad,
                                    mesh, pls))
+        elif isinstance(x, (torch.SymInt, torch.SymFloat)):
+            # Dynamo made a Python number that changed between calls a graph input
+            raise DistCompileError(
+                f"graph input {name} is a symbolic number ({x}): Dynamo made it dynamic after "
+                f"it changed between calls; the dist backend plans static shapes and values",
+                fix="compile with torch.compile(..., backend='dist', dynamic=False), which "
+                    "recompiles per value instead")
         else:
             infos.append(InputInfo(i, name, "constant"))
     return infos
