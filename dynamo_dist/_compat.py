@@ -79,6 +79,39 @@ def assume_constant_result(fn: Callable) -> Callable:
     return torch._dynamo.assume_constant_result(fn)
 
 
+# -- Dynamo bookkeeping read by ``explain`` (2.13) ---------------------------------------------
+# Dynamo keeps every GraphCompileReason (reason text + user FrameSummary stack) of a graph break
+# in a process-wide list (cleared by torch._dynamo.reset()), and one CompilationMetrics per frame
+# compile (co_name/co_filename/co_firstlineno, recompile_reason, fail_reason, compile_id) in a
+# bounded deque. CompileContext.current_compile_id() names the frame a backend call belongs to.
+# Also read there: ``gm.compile_subgraph_reason`` (set on the graph a backend receives),
+# ``exc.real_stack`` (user frames of a Dynamo exception), ``_orig_mod`` /
+# ``_torchdynamo_orig_callable`` (the function behind a compiled callable).
+def graph_break_reasons() -> list:
+    import torch._dynamo.utils as dynamo_utils
+
+    return list(dynamo_utils.graph_break_reasons)
+
+
+def compilation_metrics() -> list:
+    import torch._dynamo.utils as dynamo_utils
+
+    return dynamo_utils.get_compilation_metrics()
+
+
+def raise_compilation_metrics_limit(limit: int = 100_000) -> None:
+    import torch._dynamo.utils as dynamo_utils
+
+    dynamo_utils.set_compilation_metrics_limit(limit)
+
+
+def current_compile_id() -> str | None:
+    from torch._guards import CompileContext
+
+    cid = CompileContext.current_compile_id()
+    return None if cid is None else str(cid)
+
+
 # -- c10d (2.13, 2.11) -----------------------------------------------------------------------
 def default_store():
     """The default process group's key-value store (used to compare ranks' compiled programs)."""

@@ -23,39 +23,16 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ._compat import (compilation_metrics as _compilation_metrics,
+                      current_compile_id as _current_compile_id,
+                      graph_break_reasons as _graph_break_reasons,
+                      raise_compilation_metrics_limit as _raise_compilation_metrics_limit)
 from ._explain_report import (ExplainReport, Finding, GraphInfo, InputPlacement, Recompile,
                               _frame_name, _short, graph_info)
 
 __all__ = ["ExplainReport", "Finding", "GraphInfo", "InputPlacement", "Recompile", "Recording",
            "explain", "recording"]
 
-# --- torch private API (to move into dynamo_dist/_compat.py) --------------------------------------
-# Dynamo keeps every GraphCompileReason (reason text + user FrameSummary stack) of a graph break in
-# a process-wide list (cleared by torch._dynamo.reset()), and one CompilationMetrics per frame
-# compile (co_name/co_filename/co_firstlineno, recompile_reason, fail_reason, compile_id) in a
-# bounded deque. CompileContext.current_compile_id() names the frame a backend call belongs to.
-
-
-def _graph_break_reasons() -> list:
-    import torch._dynamo.utils as dynamo_utils
-    return list(dynamo_utils.graph_break_reasons)
-
-
-def _compilation_metrics() -> list:
-    import torch._dynamo.utils as dynamo_utils
-    return dynamo_utils.get_compilation_metrics()
-
-
-def _raise_compilation_metrics_limit(limit: int = 100_000) -> None:
-    import torch._dynamo.utils as dynamo_utils
-    dynamo_utils.set_compilation_metrics_limit(limit)
-
-
-def _current_compile_id() -> str | None:
-    from torch._guards import CompileContext
-    cid = CompileContext.current_compile_id()
-    return None if cid is None else str(cid)
-# --- end of torch private API ---------------------------------------------------------------------
 
 
 # --- where is user code, and what to tell the user -----------------------------------------------

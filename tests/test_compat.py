@@ -34,3 +34,26 @@ def test_dynamo_and_dtensor_hooks_we_patch_exist():
     assert hasattr(wrapped, "_dynamo_dist_original")  # installed once, not stacked
     _compat.install_dynamo_tracing_fallback()
     assert handlers[torch.ops.aten.convolution.default] is wrapped
+
+
+def test_dynamo_bookkeeping_read_by_explain():
+    torch._dynamo.reset()
+
+    def f(x):
+        print("break")  # one graph break
+        return x + 1
+
+    torch.compile(f, backend="eager")(torch.ones(2))
+    reasons = _compat.graph_break_reasons()
+    assert reasons and hasattr(reasons[0], "reason") and hasattr(reasons[0], "user_stack")
+    metrics = _compat.compilation_metrics()
+    assert metrics and hasattr(metrics[-1], "co_name") and hasattr(metrics[-1], "recompile_reason")
+    _compat.raise_compilation_metrics_limit()
+    assert _compat.current_compile_id() is None  # outside a compile
+
+
+def test_metadata_patches_installed():
+    assert _compat.install_dead_mesh_lookup_removal()  # idempotent: True on 2.13
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    assert _compat.default_store.__doc__ and callable(_get_default_store)
