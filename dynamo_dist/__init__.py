@@ -32,7 +32,7 @@ _EXPORTS = {
     "TensorParallelPlanner": ".plans",
     "DataParallelPlanner": ".plans",
     "shard_module": ".plans",
-    "explain": ".explain",
+    "explain": ".diagnose",
 }
 
 __all__ = sorted(_EXPORTS)

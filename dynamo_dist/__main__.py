@@ -21,7 +21,7 @@ def explain_script(script: str, args: list[str], json_path: str | None = None,
     it raised. Raises FileNotFoundError if ``script`` does not exist."""
     from rich.console import Console
 
-    from .explain import recording
+    from .diagnose import recording
 
     if not os.path.isfile(script):
         raise FileNotFoundError(script)

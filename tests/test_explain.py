@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import dynamo_dist
-from dynamo_dist.explain import ExplainReport, recording
+from dynamo_dist.diagnose import ExplainReport, recording
 from dynamo_dist.plans import ShardingPlan, shard_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,5 @@
-"""``dynamo_dist.explain``: what Dynamo and the ``dist`` backend did with a program.
+"""``dynamo_dist.explain`` (defined here, in dynamo_dist.diagnose): what Dynamo and the ``dist``
+backend did with a program.
 
     report = dynamo_dist.explain(model, x)       # runs model(x) compiled with backend="dist"
     print(report.to_text())                      # graphs, graph breaks, recompiles, hints
@@ -17,7 +18,6 @@ import inspect
 import linecache
 import os
 import re
-import sys
 import sysconfig
 from typing import Any, Callable, Iterator
 
@@ -296,14 +296,3 @@ def explain(fn_or_module: Callable, *args, backend_options: dict | None = None,
         except Exception as e:  # reported, not raised: explain is for diagnosing failures too
             rec.error = e
     return rec.report(out)
-
-
-class _CallableModule(type(sys)):
-    """``import dynamo_dist.explain`` binds this module as the package's ``explain`` attribute,
-    which would hide the function; calling the module calls ``explain``."""
-
-    def __call__(self, *args, **kwargs) -> ExplainReport:
-        return explain(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
