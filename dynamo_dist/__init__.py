@@ -33,6 +33,7 @@ _EXPORTS = {
     "DataParallelPlanner": ".plans",
     "shard_module": ".plans",
     "explain": ".diagnose",
+    "backward_records": ".compiled_autograd",
 }
 
 __all__ = sorted(_EXPORTS)

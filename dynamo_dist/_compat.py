@@ -112,6 +112,26 @@ def current_compile_id() -> str | None:
     return None if cid is None else str(cid)
 
 
+# -- compiled autograd (2.13) ------------------------------------------------------------------
+from torch.fx.experimental._backward_state import BackwardState  # noqa: E402,F401 (hooks' carrier)
+
+
+def compiled_autograd_id() -> int | None:
+    """The compiled-autograd graph id of the Dynamo compile in progress (None: not one)."""
+    from torch._guards import CompileContext
+
+    cid = CompileContext.current_compile_id()
+    return getattr(cid, "compiled_autograd_id", None) if cid is not None else None
+
+
+def compiled_autograd_disabled():
+    """Context manager: compiled autograd off inside it (AOTAutograd does the same while it
+    traces a joint graph)."""
+    from torch._dynamo import compiled_autograd
+
+    return compiled_autograd._disable()
+
+
 # -- c10d (2.13, 2.11) -----------------------------------------------------------------------
 def default_store():
     """The default process group's key-value store (used to compare ranks' compiled programs)."""
@@ -266,7 +286,11 @@ def install_dynamo_tracing_fallback() -> None:
     def fresh(_args=None) -> None:
         _clear_dtensor_sharding_caches()
 
-    _keep_callbacks(callback_handler, fresh, forget)
+    # Dynamo's frame hook may be active when these run (eager code between two graphs, or
+    # AOTAutograd compiling a backward lazily inside a compiled step): it would try to compile
+    # them and deadlock on its own callback lock
+    _keep_callbacks(callback_handler, torch.compiler.disable(fresh),
+                    torch.compiler.disable(forget))
 
 
 def _keep_callbacks(handler, start, end) -> None:

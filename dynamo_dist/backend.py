@@ -24,7 +24,7 @@ from inductor_passes.lowering import lower
 from inductor_passes.sharding.placements import Placements, fmt, nbytes
 from inductor_passes.sharding.propagate import Plan, propagate
 
-from . import _compat
+from . import _compat, compiled_autograd
 from .agreement import plan_once
 from .annotations import CONSTRAINT_OP, data_axes, decode_spec, mesh_from_key
 from .capture import JointProgram, planned_input_placements, trace_joint
@@ -66,8 +66,13 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
     them as FX graphs (for debugging).
     """
     opts = dict(options or {})
-    with _compat.disable_local_tensor_mode():
-        compiled = _compile(gm, list(example_inputs), bool(opts.pop("inductor", True)))
+    inductor = bool(opts.pop("inductor", True))
+    # compiled-autograd backward graphs (and forwards carrying module backward hooks) are local
+    # code already: compiled as they are, user collectives kept
+    compiled = compiled_autograd.compile_local(gm, example_inputs, inductor)
+    if compiled is None:
+        with _compat.disable_local_tensor_mode(), compiled_autograd.disabled():
+            compiled = _compile(gm, list(example_inputs), inductor)
     # every rank must issue the same collectives; compare before anything runs (no hang)
     graphs = [gm]
     if isinstance(compiled, DistStep):
