@@ -15,6 +15,7 @@ OpSpec records which one produced it (``source``):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 from typing import Callable, Sequence
@@ -116,7 +117,19 @@ def is_random(op) -> bool:
 
 def is_pointwise(op) -> bool:
     return op in _EXTRA_POINTWISE or (
-        isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags)
+        isinstance(op, torch._ops.OpOverload) and
+        (torch.Tag.pointwise in op.tags or _prim_with_pointwise_twin(op)))
+
+
+@functools.lru_cache(maxsize=None)
+def _prim_with_pointwise_twin(op) -> bool:
+    """prims.sqrt, prims.bitwise_and, ... carry no pointwise tag; their aten twin does. Prims
+    take same-shape operands (no broadcasting), so the pointwise rule holds for them as is."""
+    if op.namespace != "prims":
+        return False
+    twin = getattr(torch.ops.aten, op._schema.name.split("::")[-1], None)
+    return twin is not None and any(torch.Tag.pointwise in getattr(twin, o).tags
+                                    for o in twin.overloads())
 
 
 def _linear_sets(node: fx.Node, n_tensors: int) -> list[tuple[int, ...]]:
