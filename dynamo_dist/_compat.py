@@ -133,6 +133,14 @@ def compiled_autograd_disabled():
 
 
 # -- c10d (2.13, 2.11) -----------------------------------------------------------------------
+def resolve_process_group(name: str):
+    """The ProcessGroup registered under ``name`` (functional collectives name groups so).
+    Raises when no group has that name."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
 def default_store():
     """The default process group's key-value store (used to compare ranks' compiled programs)."""
     from torch.distributed.distributed_c10d import _get_default_store

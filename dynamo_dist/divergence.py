@@ -39,16 +39,33 @@ def collective_schedule(graphs: Iterable[fx.GraphModule]) -> list[dict]:
             if not name.startswith("_c10d_functional.") or "wait_tensor" in name:
                 continue
             kind = name.split(".")[1]
-            consts = [a for a in node.args[1:] if isinstance(a, (str, int, float))]
+            consts = [_group_shape(a) if isinstance(a, str) and _is_group(a) else a
+                      for a in node.args[1:] if isinstance(a, (str, int, float))]
             first = node.args[0] if node.args else None
             val = first.meta.get("val", first.meta.get("example_value")) \
                 if isinstance(first, fx.Node) else None
             vals = val if isinstance(val, (list, tuple)) else [val]
-            shapes = [list(v.shape) for v in vals if isinstance(v, torch.Tensor)]
+            shapes = [[d if isinstance(d, int) else str(d) for d in v.shape]  # SymInt: by name
+                      for v in vals if isinstance(v, torch.Tensor)]
             dtype = next((str(v.dtype) for v in vals if isinstance(v, torch.Tensor)), None)
             out.append({"kind": kind, "args": consts, "shapes": shapes, "dtype": dtype,
                         "at": user_source(node) or ""})
     return out
+
+
+def _is_group(name: str) -> bool:
+    try:
+        _compat.resolve_process_group(name)
+        return True
+    except Exception:  # a reduce op ("sum"), not a group name
+        return False
+
+
+def _group_shape(name: str) -> str:
+    """A process group as the same string on every rank of the same mesh axis: ranks (0, 2) and
+    (1, 3) are one axis's two groups, with different names but the same shape (size, strides)."""
+    ranks = sorted(dist.get_process_group_ranks(_compat.resolve_process_group(name)))
+    return f"group(size={len(ranks)}, strides={[b - a for a, b in zip(ranks, ranks[1:])]})"
 
 
 def _key(entry: dict) -> str:
