@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import dynamo_dist
 from dynamo_dist.diagnose import ExplainReport, recording
 from dynamo_dist.plans import ShardingPlan, shard_module
+from test_errors import Tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "data", "explain_breaks.py")
@@ -94,15 +95,6 @@ def test_recompile_on_changed_placements(fake_mesh):
     assert r.function == "f" and "dtensor_spec" in r.reason and "placements" in r.hint
     assert [g.inputs[0].placements for g in report.graphs] == ["[S(0)]", "[R]"]
     assert "Recompilations" in report.to_text()
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(4, 8)
-
-    def forward(self, x):
-        return self.fc(x).sum()
 
 
 def test_graph_input_placements_and_ledger(fake_mesh):
