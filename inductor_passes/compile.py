@@ -51,11 +51,33 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
     if not has_backward:
         fw = _strip_grads(local_gm, num_fwd_outputs)
         return CompiledJoint(_compile(fw, inductor, False), None, num_fwd_outputs, 0, fw, None)
+    _tag_forward(local_gm, num_fwd_outputs)
     fw_gm, bw_gm = _compat.default_partition(local_gm, None, num_fwd_outputs=num_fwd_outputs)
+    for gm in (fw_gm, bw_gm):  # the partitioner leaves a dead copy of a forced-save collective's input
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
     fw_out = next(iter(fw_gm.graph.find_nodes(op="output"))).args[0]
     num_saved = len(fw_out) - num_fwd_outputs
     return CompiledJoint(_compile(fw_gm, inductor, False), _compile(bw_gm, inductor, True),
                          num_fwd_outputs, num_saved, fw_gm, bw_gm)
+
+
+def _tag_forward(gm: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Tag what the forward outputs need as forward ("is_forward"), the rest as backward, as
+    AOTAutograd's joint tracing does. The default partitioner reads these tags to find the end
+    of the forward; without them it took only the inputs as forward and the backward graph
+    recomputed the whole forward, collectives included (seen: 1.5x the matmuls per step)."""
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    forward: set[fx.Node] = set()
+    stack = [a for a in out.args[0][:num_fwd_outputs] if isinstance(a, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node not in forward:
+            forward.add(node)
+            stack.extend(node.all_input_nodes)
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            node.meta["partitioner_tag"] = "is_forward" if node in forward else "is_backward"
 
 
 def _strip_grads(gm: fx.GraphModule, num_fwd_outputs: int) -> fx.GraphModule:

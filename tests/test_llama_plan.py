@@ -43,6 +43,18 @@ def test_tp_forward_matches_megatron_collectives(fake_mesh, attn, seq):
         fused = [n for n in records[0].plan.nodes.values() if n.source == "attention"]
         assert len(fused) == 2 * LAYERS
         assert all(str(n.inputs[0]) == "(Shard(dim=1),)" for n in fused), records[0].plan.to_text()
+    # the compiled halves run each op once: the backward does not recompute the forward (it
+    # did, collectives included, when the partitioner saw no forward tags)
+    joint = records[0].step.joint
+
+    def count(gm, word):
+        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and word in str(n.target))
+
+    glob = records[0].program.graph_module
+    assert count(joint.fw_graph, "aten.mm") + count(joint.bw_graph, "aten.mm") == \
+        count(glob, "aten.mm")
+    assert count(joint.bw_graph, "all_reduce") == len(bwd)
+    assert count(joint.fw_graph, "all_reduce") == len(fwd)
     assert records[0].plan.nodes["output"].origin  # the plan is printable data
     assert "solver" in records[0].plan.to_text()
     assert not records[0].plan.fallbacks
