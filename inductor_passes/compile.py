@@ -64,7 +64,7 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
 
 def _tag_forward(gm: fx.GraphModule, num_fwd_outputs: int) -> None:
     """Tag what the forward outputs need as forward ("is_forward"), the rest as backward, as
-    AOTAutograd's joint tracing does. The default partitioner reads these tags to find the end
+    AOTAutograd's joint tracing does, and order the forward first. The default partitioner reads these tags to find the end
     of the forward; without them it took only the inputs as forward and the backward graph
     recomputed the whole forward, collectives included (seen: 1.5x the matmuls per step)."""
     out = next(iter(gm.graph.find_nodes(op="output")))
@@ -75,9 +75,22 @@ def _tag_forward(gm: fx.GraphModule, num_fwd_outputs: int) -> None:
         if node not in forward:
             forward.add(node)
             stack.extend(node.all_input_nodes)
+    # The partitioner takes every node up to the LAST forward-tagged one as forward. Lowering
+    # emits the output redistributes (the loss's reduction) at the end, after backward nodes:
+    # move forward nodes ahead of the first backward one (their inputs are forward too, so the
+    # order stays topological).
+    anchor = None
+    for node in list(gm.graph.nodes):
+        if node.op in ("placeholder", "output"):
+            continue
+        if node not in forward:
+            anchor = anchor or node
+        elif anchor is not None:
+            anchor.prepend(node)
     for node in gm.graph.nodes:
         if node.op != "output":
             node.meta["partitioner_tag"] = "is_forward" if node in forward else "is_backward"
+    gm.graph.lint()
 
 
 def _strip_grads(gm: fx.GraphModule, num_fwd_outputs: int) -> fx.GraphModule:
