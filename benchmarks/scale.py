@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import functools
 import glob
 import json
@@ -340,7 +339,7 @@ def run_ours(args) -> dict:
 
     from dynamo_dist import compile_records
     from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
-    from inductor_passes.sharding.propagate import _priced_axes, parameter_views
+    from inductor_passes.sharding.propagate import parameter_views
 
     handler = _PlannerLog()
     logging.getLogger("dynamo_dist").addHandler(handler)  # dynamo_dist.sharding propagates

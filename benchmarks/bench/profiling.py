@@ -13,7 +13,6 @@ import os
 import shutil
 import tempfile
 
-import torch
 
 
 def profile_steps(contestant, batches: list, record: bool, out_dir: str, rows: int = 40) -> dict | None:
