@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Callable
 
 import torch.fx as fx
@@ -75,6 +76,9 @@ def _tag_forward(gm: fx.GraphModule, num_fwd_outputs: int) -> None:
         if node not in forward:
             forward.add(node)
             stack.extend(node.all_input_nodes)
+    # every output of a forward multi-output op is forward (SDPA's logsumexp feeds only the
+    # backward; tagged backward, the partitioner recomputed the whole attention to get it)
+    forward |= {u for n in list(forward) for u in n.users if u.target is operator.getitem}
     # The partitioner takes every node up to the LAST forward-tagged one as forward. Lowering
     # emits the output redistributes (the loss's reduction) at the end, after backward nodes:
     # move forward nodes ahead of the first backward one (their inputs are forward too, so the

@@ -54,6 +54,7 @@ def test_tp_forward_matches_megatron_collectives(fake_mesh, attn, seq):
     assert count(joint.fw_graph, "aten.mm") + count(joint.bw_graph, "aten.mm") == \
         count(glob, "aten.mm")
     assert count(joint.bw_graph, "all_reduce") == len(bwd)
+    assert count(joint.bw_graph, "flash_attention_for_cpu.default") == 0  # not recomputed
     assert count(joint.fw_graph, "all_reduce") == len(fwd)
     assert records[0].plan.nodes["output"].origin  # the plan is printable data
     assert "solver" in records[0].plan.to_text()
