@@ -647,7 +647,11 @@ def write_markdown() -> str:
           "each collective (our ledger's convention); wire = ring-algorithm bytes sent per rank. "
           "DTensor plan = torch `parallelize_module` Megatron TP (graph-counted) + FSDP2 on dp "
           "(computed from FSDP2's schedule, checked against an eager FSDP2 step of a small "
-          "Llama; see `fsdp2_check`). Timings are on a shared 2-core CPU machine.", ""]
+          "Llama; see `fsdp2_check`). On meta tensors SDPA is routed to the fused CPU attention "
+          "op a real CPU run captures (`route_meta_sdpa_to_cpu_kernel`; PyTorch's meta path is "
+          "the math decomposition, which merges batch and heads). Timings: wall-clock seconds on "
+          "a shared 2-core machine (other jobs ran; see the load column), with the planner's "
+          "CPU seconds in parentheses.", ""]
     md += ["## Compile stages (seconds) per layer count", "",
            "| layers | seq | global batch | Dynamo trace (+meta fwd) | capture | plan | lower | "
            "partition | Inductor | joint nodes | collectives: ledger / in compiled fw+bw graphs | peak RSS | ILPs solved / built | "
@@ -707,7 +711,8 @@ def write_markdown() -> str:
         md += ["## Experiments (tagged runs, not the library's defaults where noted)", ""]
     for name, r in tagged:
         c, o = r["config"], r["ours"]
-        knobs = {k: c.get(k) for k in ("ilp_max_vars", "ilp_time_limit", "inductor") if c.get(k)}
+        knobs = {k: c.get(k) for k in ("ilp_max_vars", "ilp_time_limit", "inductor", "env")
+                 if c.get(k)}
         s = o["seconds"]
         md += [f"### {name}: {c['layers']} layers, {json.dumps(knobs)}", "",
                "Stages: " + ", ".join(f"{k} {v:.1f}s" for k, v in s.items()) +
@@ -717,7 +722,14 @@ def write_markdown() -> str:
                "Planner: " + ", ".join(f"{e['stage']} {e['seconds']:.1f}s"
                                        f"{'' if e['solved'] else ' (not solved)'}"
                                        for e in o["planner_stages"]), ""]
-        md += comparison_rows(o["collectives"], (r.get("dtensor_plan") or {}).get("collectives", {}))
+        base = (r.get("dtensor_plan") or {}).get("collectives")
+        if not base:  # the DTensor plan of the main run with the same shape, if any
+            same = next((m for m in runs if all(m["config"][k] == c[k] for k in
+                                                ("layers", "seq", "batch", "dp", "tp"))), None)
+            base = ((same or {}).get("dtensor_plan") or {}).get("collectives", {})
+            if base:
+                md += [f"(DTensor plan columns: from the main {c['layers']}-layer run.)", ""]
+        md += comparison_rows(o["collectives"], base)
         md += ["", "Sanity: " + " ".join(sanity(r))]
         md.append("")
     text = "\n".join(md) + "\n"
@@ -726,9 +738,27 @@ def write_markdown() -> str:
     return text
 
 
+def _per_layer_ledger(a: dict, b: dict, sizes: dict[str, int]) -> dict:
+    """Our collectives per decoder layer, from two runs' ledgers: a collective (phase, kind, axis,
+    bytes) whose count grows by a whole multiple of the layer difference is per layer; anything
+    else is the model's constant part (embedding, lm_head, loss). The constant part is not
+    always the same plan from run to run (the lm_head gradient is reduced one of two equally
+    priced ways), which a plain difference of totals would count as per-layer."""
+    la, lb = a["config"]["layers"], b["config"]["layers"]
+    key = lambda r: (r["phase"], r["kind"], r["axis"], r["bytes"])  # noqa: E731
+    ca = collections.Counter(map(key, a["ours"]["ledger"]))
+    cb = collections.Counter(map(key, b["ours"]["ledger"]))
+    rows = []
+    for k in set(ca) | set(cb):
+        d = cb[k] - ca[k]
+        if d > 0 and d % (lb - la) == 0:
+            rows += [{"phase": k[0], "kind": k[1], "axis": k[2], "bytes": k[3]}] * (d // (lb - la))
+    return table(rows, sizes)
+
+
 def extrapolation(runs: list[dict]) -> list[str]:
-    """Per-layer slope from the smallest and largest layer counts below 32 (same seq/batch), and the value
-    at 32 layers EXTRAPOLATED from it; a measured 32-layer run, if any, is shown beside it."""
+    """Per-layer figures from the smallest and largest layer counts below 32 (same seq/batch),
+    and the 32-layer value EXTRAPOLATED from them; a measured 32-layer run is shown beside it."""
     below = [r for r in runs if r["config"]["layers"] < 32]
     at32 = next((r for r in runs if r["config"]["layers"] == 32), None)
     if len(below) < 2:
@@ -737,34 +767,45 @@ def extrapolation(runs: list[dict]) -> list[str]:
     if (a["config"]["seq"], a["config"]["batch"]) != (b["config"]["seq"], b["config"]["batch"]):
         return []
     la, lb = a["config"]["layers"], b["config"]["layers"]
+    sizes = {"dp": b["config"]["dp"], "tp": b["config"]["tp"]}
     out = ["## Per layer, and 32 layers extrapolated (NOT measured) from them", "",
-           f"Per-layer slope from the {la}- and {lb}-layer runs; value(32) = value({lb}) + "
-           f"(32 - {lb}) x slope. Collectives and bytes are exactly linear in the layer count "
-           f"(the plan per layer repeats); times are not: the planner skips each ILP above 200k "
-           f"variables, so larger models take other paths (see the planner stages above).", "",
+           f"Per-layer figures from the {la}- and {lb}-layer runs (ours: the collectives whose "
+           f"count grows with the layers, see `_per_layer_ledger`; DTensor plan: the difference "
+           f"of totals, its structure is fixed); value(32) = value({lb}) + (32 - {lb}) x per "
+           f"layer. Times are not linear: the planner skips each ILP above 200k variables, so "
+           f"larger models take other paths (see the planner stages above).", "",
            "| quantity | per layer | 32 layers, extrapolated | 32 layers, measured |",
            "|---|--:|--:|--:|"]
 
-    def line(name, va, vb, v32, fmt):
-        slope = (vb - va) / (lb - la)
-        out.append(f"| {name} | {fmt(slope)} | {fmt(vb + (32 - lb) * slope)} | "
+    def line(name, per, vb, v32, fmt):
+        out.append(f"| {name} | {fmt(per)} | {fmt(vb + (32 - lb) * per)} | "
                    f"{'-' if v32 is None else fmt(v32)} |")
 
+    count = lambda x: f"{x:,.1f}"  # noqa: E731
+    per_ours = _per_layer_ledger(a, b, sizes)
     for who, key in (("ours", "ours"), ("DTensor plan", "dtensor_plan")):
         ca, cb = (a.get(key) or {}).get("collectives"), (b.get(key) or {}).get("collectives")
         c32 = (at32.get(key) or {}).get("collectives") if at32 else None
         if not ca or not cb:
             continue
         for ax in ("tp", "dp", None):
-            ta, tb = _totals(ca, ax), _totals(cb, ax)
+            tb = _totals(cb, ax)
             t32 = _totals(c32, ax) if c32 else (None, None, None)
-            line(f"{who}: collectives ({ax or 'all'})", ta[0], tb[0], t32[0], lambda x: f"{x:,.1f}")
-            line(f"{who}: buffer bytes ({ax or 'all'})", ta[1], tb[1], t32[1], _fmt_bytes)
-            line(f"{who}: wire bytes ({ax or 'all'})", ta[2], tb[2], t32[2], _fmt_bytes)
-    sa, sb = a["ours"]["seconds"], b["ours"]["seconds"]
-    s32 = at32["ours"]["seconds"] if at32 else {}
+            if key == "ours":
+                per = _totals(per_ours, ax)
+            else:
+                ta = _totals(ca, ax)
+                per = tuple((y - x) / (lb - la) for x, y in zip(ta, tb))
+            line(f"{who}: collectives ({ax or 'all'})", per[0], tb[0], t32[0], count)
+            line(f"{who}: buffer bytes ({ax or 'all'})", per[1], tb[1], t32[1], _fmt_bytes)
+            line(f"{who}: wire bytes ({ax or 'all'})", per[2], tb[2], t32[2], _fmt_bytes)
     for k in ("capture", "plan", "lower"):
-        line(f"ours: {k} seconds", sa[k], sb[k], s32.get(k), lambda x: f"{x:,.1f}")
+        for what, field in (("wall", "seconds"), ("CPU", "cpu_seconds")):
+            va, vb = a["ours"].get(field, {}).get(k), b["ours"].get(field, {}).get(k)
+            if va is None or vb is None:
+                continue
+            v32 = at32["ours"].get(field, {}).get(k) if at32 else None
+            line(f"ours: {k} seconds ({what})", (vb - va) / (lb - la), vb, v32, count)
     out.append("")
     return out
 
@@ -835,6 +876,9 @@ def main() -> None:
     config = {k: getattr(args, k) for k in ("layers", "seq", "batch", "dp", "tp", "tiny",
                                             "inductor", "ilp_max_vars", "ilp_time_limit")}
     config["model"] = "tiny" if args.tiny else "Llama-3-8B shapes " + json.dumps(LLAMA3_8B)
+    config["env"] = {k: os.environ[k] for k in ("TORCHINDUCTOR_CACHE_DIR",
+                                                "TORCHINDUCTOR_FX_GRAPH_CACHE", "OMP_NUM_THREADS")
+                     if k in os.environ}
     result: dict = {"config": config, "torch": None, "library": library_version()}
     import torch
 
