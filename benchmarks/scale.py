@@ -12,9 +12,12 @@ times Inductor code generation for this rank's local graphs (moved to CPU fake t
 has no meta device), reported apart.
 
 Reported for our backend: Dynamo trace time, the backend's stages (capture, plan, lower,
-partition/Inductor) from ``compile_records()[-1].seconds``, every ILP / greedy walk of the
-planner, joint-graph size, the collective ledger of one step (count, bytes by kind, mesh axis,
-phase), and peak RSS.
+partition/Inductor) from ``compile_records()[-1].seconds`` plus their CPU seconds (the machine is
+shared), every ILP / greedy walk of the planner, joint-graph size, the collective ledger of one
+step (count, bytes by kind, mesh axis, phase), the collectives actually in the partitioned local
+forward/backward graphs, and peak RSS. On meta tensors PyTorch's SDPA takes its math path; the
+script routes it to the fused CPU op a real CPU run captures (``route_meta_sdpa_to_cpu_kernel``),
+for both contestants.
 
 The hand-written DTensor plan (``--baseline`` runs it in a child process: our shard_module turns on
 DTensor's implicit replication for the whole process, which would change the stock path):
@@ -693,6 +696,18 @@ def write_markdown() -> str:
                f"(dp={c['dp']}, tp={c['tp']})", ""]
         base = (r.get("dtensor_plan") or {}).get("collectives", {})
         md += comparison_rows(o["collectives"], base)
+        ex = o.get("executed_collectives")
+        if ex:
+            diff = [f"{k} {o['collectives'].get(k, {}).get('count', 0)} -> {v['count']} "
+                    f"({_fmt_bytes(o['collectives'].get(k, {}).get('bytes', 0))} -> "
+                    f"{_fmt_bytes(v['bytes'])})"
+                    for k, v in ex.items() if v != o["collectives"].get(k)]
+            en, eb, ew = _totals(ex)
+            md += ["", f"What the compiled step runs (collectives in the partitioned forward and "
+                   f"backward graphs, not the ledger): {en} collectives, {_fmt_bytes(eb)} buffer, "
+                   f"{_fmt_bytes(ew)} wire per step per rank"
+                   + (f"; differs from the ledger in: {'; '.join(diff)}." if diff else
+                      "; the same as the ledger.")]
         md += ["", "Ours by what is moved (param: a parameter or a view of it; partial: a pending "
                "sum reduced on that axis; other: activations, token ids, logits):", "",
                "| phase/kind/axis/class | count | buffer bytes |", "|---|--:|--:|"]
