@@ -597,3 +597,47 @@ if torch.distributed.is_available():
     install_process_group_guard()
     install_metadata_attr_folding()
 # == end: distributed metadata folded with correct guards ===================================
+
+
+# -- Inductor's FX collective bucketing (torch._inductor.fx_passes.bucketing, 2.11 and 2.13) ---
+_BUCKET_KINDS = (  # config switch, its cap callable, the bucketing module's finder, our kind
+    ("bucket_all_gathers_fx", "bucket_all_gathers_fx_bucket_size_determinator",
+     "bucket_all_gather_by_mb", "all_gather"),
+    ("bucket_reduce_scatters_fx", "bucket_reduce_scatters_fx_bucket_size_determinator",
+     "bucket_reduce_scatter_by_mb", "reduce_scatter"),
+    ("bucket_all_reduces_fx", "bucket_all_reduces_fx_bucket_size_determinator",
+     "bucket_all_reduce_by_mb", "all_reduce"),
+)
+
+
+def bucketing_config(cap_mb_by_bucket: Callable[[int], float]) -> dict:
+    """Inductor config entries that bucket every kind Inductor can, with this cap (MiB by
+    bucket index). Kinds this torch lacks are left out."""
+    from torch._inductor import config
+
+    out = {}
+    for switch, cap, _, _ in _BUCKET_KINDS:
+        if hasattr(config, switch) and hasattr(config, cap):
+            out[switch] = "all"
+            out[cap] = cap_mb_by_bucket
+    return out
+
+
+def inductor_config_patch(entries: dict) -> contextlib.AbstractContextManager:
+    from torch._inductor import config
+
+    return config.patch(entries) if entries else contextlib.nullcontext()
+
+
+def predict_buckets(gm: "torch.fx.GraphModule", cap_mb_by_bucket: Callable[[int], float]
+                    ) -> dict[str, list[int]]:
+    """The buckets Inductor's pass would form in ``gm`` (its own grouping function, read only):
+    per kind, the number of collectives in each bucket of two or more."""
+    from torch._inductor.fx_passes import bucketing
+
+    out = {}
+    for _, _, finder, kind in _BUCKET_KINDS:
+        find = getattr(bucketing, finder, None)
+        if find is not None:
+            out[kind] = [len(b) for b in find(gm, cap_mb_by_bucket)]
+    return out

@@ -24,7 +24,7 @@ from inductor_passes.lowering import lower
 from inductor_passes.sharding.placements import Placements, fmt, nbytes
 from inductor_passes.sharding.propagate import Plan, propagate
 
-from . import _compat, compiled_autograd
+from . import _compat, compiled_autograd, plan_cache
 from .agreement import plan_once
 from .annotations import CONSTRAINT_OP, data_axes, decode_spec, mesh_from_key
 from .capture import JointProgram, planned_input_placements, trace_joint
@@ -171,9 +171,23 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     pinned = {node: pl for node, (_, pl) in constraints.items()}
 
     t = time.perf_counter()
-    plan = plan_once(mesh, lambda: propagate(
-        program.graph_module, mesh, primal_pl, program.num_fwd_outputs, program.diff_outputs,
-        grad_pl, pinned.get, origins, data_axes=data_axes(mesh)))
+    axes = data_axes(mesh)
+
+    def make_plan():
+        key = plan_cache.plan_key(
+            program.graph_module, mesh, primals=primal_pl, grads=grad_pl, origins=origins,
+            pinned={n.name: pl for n, pl in pinned.items()}, data_axes=axes,
+            outputs=(program.num_fwd_outputs, tuple(program.diff_outputs)))
+        plan, hit = plan_cache.cached_plan(key, lambda: propagate(
+            program.graph_module, mesh, primal_pl, program.num_fwd_outputs,
+            program.diff_outputs, grad_pl, pinned.get, origins, data_axes=axes))
+        if hit:  # propagate() logs a plan's replicated fallbacks; a cached plan's are logged here
+            log.info("dynamo_dist: plan read from the plan cache (%s)", key[:12])
+            for msg in plan.fallbacks:
+                log.warning("dynamo_dist: %s", msg)
+        return plan
+
+    plan = plan_once(mesh, make_plan)
     plan.fallbacks.extend(msg for _, msg in boundary if msg)
     seconds["plan"] = time.perf_counter() - t
 
@@ -190,6 +204,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
             f.write(local_gm.print_readable(print_output=False))
     joint = compile_joint(local_gm, program.num_fwd_outputs, has_bwd, inductor)
     seconds["inductor"] = time.perf_counter() - t
+    ledger.buckets, ledger.issued_by_kind = joint.buckets, joint.issued
 
     out_node = next(iter(program.graph_module.graph.find_nodes(op="output")))
     out_pl = list(plan.nodes[out_node.name].inputs[:program.num_fwd_outputs])

@@ -23,6 +23,11 @@ class CollectiveEntry:
 @dataclasses.dataclass
 class CollectiveLedger:
     entries: list[CollectiveEntry] = dataclasses.field(default_factory=list)
+    # per kind, how many collectives each bucket of the comm pass merges into one
+    buckets: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # per kind, collectives the compiled graphs issue per call (after bucketing; the partitioner
+    # may recompute one in the backward); empty: not compiled yet, read the entries
+    issued_by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def add(self, entry: CollectiveEntry) -> None:
         self.entries.append(entry)
@@ -50,8 +55,18 @@ class CollectiveLedger:
             row[1] += e.bytes
         return {k: (v[0], v[1]) for k, v in sorted(out.items())}
 
+    def issued(self, kind: str | None = None) -> int:
+        """Collectives the compiled graphs issue per call, after bucketing."""
+        if not self.issued_by_kind:
+            return self.count(kind)
+        return sum(n for k, n in self.issued_by_kind.items() if kind in (None, k))
+
     def merged(self, other: "CollectiveLedger") -> "CollectiveLedger":
-        return CollectiveLedger(self.entries + other.entries)
+        buckets = {k: self.buckets.get(k, []) + other.buckets.get(k, [])
+                   for k in {*self.buckets, *other.buckets}}
+        issued = {k: self.issued(k) + other.issued(k)
+                  for k in {*self.issued_by_kind, *other.issued_by_kind}}
+        return CollectiveLedger(self.entries + other.entries, buckets, issued)
 
     def to_table(self, title: str = "collective ledger (one step, per rank)"):
         """A rich Table: phase, kind, mesh axis, count, bytes."""
@@ -63,4 +78,7 @@ class CollectiveLedger:
         for (phase, kind, axis), (n, b) in self.summary().items():
             table.add_row(phase, kind, axis, str(n), f"{b:,}")
         table.add_row("total", "", "", str(len(self.entries)), f"{sum(e.bytes for e in self.entries):,}")
+        if self.issued_by_kind:
+            table.caption = f"issued per call, after bucketing: {self.issued()} (" + ", ".join(
+                f"{k} {n}" for k, n in sorted(self.issued_by_kind.items())) + ")"
         return table

@@ -10,6 +10,8 @@ import torch.fx as fx
 
 from dynamo_dist import _compat
 
+from . import comm
+
 
 @dataclasses.dataclass
 class CompiledJoint:
@@ -25,6 +27,11 @@ class CompiledJoint:
     num_saved: int
     fw_graph: fx.GraphModule
     bw_graph: fx.GraphModule | None
+    # per collective kind, the size of each bucket the comm pass merges (forward and backward)
+    buckets: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # per collective kind, how many the compiled graphs issue per call, after bucketing (the
+    # partitioner may recompute a collective in the backward, so this can exceed the ledger)
+    issued: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _example_inputs(gm: fx.GraphModule) -> list:
@@ -37,7 +44,8 @@ def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool) -> Callable:
         return lambda args: gm(*args)
     inputs = _example_inputs(gm)
     fake_mode = _compat.detect_fake_mode(inputs)
-    with _compat.tracing(_compat.TracingContext(fake_mode)):
+    with _compat.tracing(_compat.TracingContext(fake_mode)), \
+            _compat.inductor_config_patch(comm.inductor_config()):
         compiled = _compat.compile_fx_inner(gm, inputs, is_backward=is_backward)
 
     def run(args):
@@ -51,7 +59,9 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
     """Partition ``local_gm`` (AOTAutograd joint convention) and compile both halves."""
     if not has_backward:
         fw = _strip_grads(local_gm, num_fwd_outputs)
-        return CompiledJoint(_compile(fw, inductor, False), None, num_fwd_outputs, 0, fw, None)
+        buckets, issued = _buckets([fw], inductor)
+        return CompiledJoint(_compile(fw, inductor, False), None, num_fwd_outputs, 0, fw, None,
+                             buckets, issued)
     _tag_forward(local_gm, num_fwd_outputs)
     fw_gm, bw_gm = _compat.default_partition(local_gm, None, num_fwd_outputs=num_fwd_outputs)
     for gm in (fw_gm, bw_gm):  # the partitioner leaves a dead copy of a forced-save collective's input
@@ -59,8 +69,25 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
         gm.recompile()
     fw_out = next(iter(fw_gm.graph.find_nodes(op="output"))).args[0]
     num_saved = len(fw_out) - num_fwd_outputs
+    buckets, issued = _buckets([fw_gm, bw_gm], inductor)  # before Inductor rewrites the graphs
     return CompiledJoint(_compile(fw_gm, inductor, False), _compile(bw_gm, inductor, True),
-                         num_fwd_outputs, num_saved, fw_gm, bw_gm)
+                         num_fwd_outputs, num_saved, fw_gm, bw_gm, buckets, issued)
+
+
+def _buckets(graphs: list[fx.GraphModule], inductor: bool
+             ) -> tuple[dict[str, list[int]], dict[str, int]]:
+    buckets: dict[str, list[int]] = {}
+    issued: dict[str, int] = {}
+    for gm in graphs:
+        for kind in map(comm.collective_kind, gm.graph.nodes):
+            if kind:
+                issued[kind] = issued.get(kind, 0) + 1
+        if inductor:  # the FX runner (inductor=False) issues every collective on its own
+            for kind, sizes in comm.predicted_buckets(gm).items():
+                buckets.setdefault(kind, []).extend(sizes)
+                if sizes:
+                    issued[kind] -= sum(n - 1 for n in sizes)
+    return buckets, issued
 
 
 def _tag_forward(gm: fx.GraphModule, num_fwd_outputs: int) -> None:

@@ -34,6 +34,13 @@ def fake_mesh():
 
 
 @pytest.fixture(autouse=True)
+def _no_plan_cache(monkeypatch):
+    """Tests plan afresh (some change the planner's settings, which the cache key does not
+    see); tests/test_plan_cache.py turns the cache back on."""
+    monkeypatch.setenv("DYNAMO_DIST_PLAN_CACHE", "0")
+
+
+@pytest.fixture(autouse=True)
 def _fresh_records():
     from dynamo_dist import clear_compile_records
 

@@ -163,8 +163,9 @@ class Runner:
         for c in self.cs:
             for phase, index in (("cold", 0), ("warm", 1)):
                 if c.compiled:
-                    if phase == "cold":
-                        c.cache_dir = tempfile.mkdtemp(prefix=f"{c.name}-", dir=self.tmp)
+                    if phase == "cold":  # the same fresh directory on every rank
+                        c.cache_dir = os.path.join(self.tmp, f"{c.name}-cache")
+                        os.makedirs(c.cache_dir, exist_ok=True)
                     fresh_compile_state()
                 dist.barrier()
 
@@ -289,7 +290,12 @@ def run(workload: Workload, opts: Options) -> dict | None:
     load_start = load_average()
     if opts.skip_schedule_check:
         C.disable_schedule_check()
-    tmp = tempfile.mkdtemp(prefix=f"bench-{workload.name}-r{dist.get_rank()}-")
+    # one scratch root for all ranks: the ranks of a contestant share its fresh Inductor cache
+    # directory, as every process of a user shares /tmp/torchinductor_$USER by default (a kernel
+    # one rank compiles, the others load; per-rank directories would compile it once per rank)
+    box = [tempfile.mkdtemp(prefix=f"bench-{workload.name}-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    tmp = box[0]
     try:
         warm_process(device, tmp)
         r = Runner(workload, opts, device, mesh, tmp)

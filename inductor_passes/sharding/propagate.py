@@ -106,8 +106,9 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
     """
     args = (gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
             constraint_of, origins, tuple(data_axes))
+    memo = _Memo(EdgePricer(gm, mesh, origins, data_axes))  # shared by the ILPs on this mesh
     if method == "ilp":
-        plan = _solve_ilp(*args, time_limit)
+        plan = _solve_ilp(*args, time_limit, memo=memo)
         if plan is not None:
             return plan
     ndim = len(mesh.shape)
@@ -134,13 +135,14 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
                     for name, n in p.nodes.items() if n.op != "output"}
 
         # the start plan priced by the ILP's cost model (no axis free: one option per node)
-        priced = _solve_ilp(*args, time_limit, base=as_base(plan), free_axis=-1)
+        priced = _solve_ilp(*args, time_limit, base=as_base(plan), free_axis=-1, memo=memo)
         if priced is not None:
             plan.total_cost = priced.total_cost
         for _ in range(2):
             improved = False
             for axis in range(ndim):
-                trial = _solve_ilp(*args, time_limit, base=as_base(plan), free_axis=axis)
+                trial = _solve_ilp(*args, time_limit, base=as_base(plan), free_axis=axis,
+                                   memo=memo)
                 if trial is not None and trial.total_cost < plan.total_cost - 1e-6:
                     plan, improved = trial, True
             if not improved:
@@ -193,23 +195,38 @@ def _separable_start(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
                 sum(p.total_cost for p in per_axis))
 
 
+@dataclasses.dataclass
+class _Memo:
+    """What the ILPs over one graph and mesh share: priced edges and OpStrategies."""
+
+    price: "EdgePricer"
+    strategies: dict = dataclasses.field(default_factory=dict)
+    edges: dict = dataclasses.field(default_factory=dict)
+
+
 def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
                constraint_of, origins, data_axes, time_limit, base=None,
-               free_axis=None) -> Plan | None:
+               free_axis=None, memo: _Memo | None = None) -> Plan | None:
     from .solver import ShardingILP
 
     mesh_shape = tuple(mesh.shape)
-    price = EdgePricer(gm, mesh, origins, data_axes)
+    memo = memo or _Memo(EdgePricer(gm, mesh, origins, data_axes))
+    price, edges = memo.price, memo.edges
 
     def edge_cost(u, o, r) -> float:
         if o == r:
             return 0.0
-        return price(u, o, r)
+        key = (u, o, r)
+        cost = edges.get(key)
+        if cost is None:
+            cost = edges[key] = price(u, o, r)
+        return cost
 
     bwd, data_idx = tangent_dependent(gm.graph), _data_idx(mesh, data_axes)
     ilp = ShardingILP(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
                       grad_placements, constraint_of, edge_cost, base=base, free_axis=free_axis,
-                      keep=lambda n, sp: data_parallel_ok(n, sp, bwd, data_idx))
+                      keep=lambda n, sp: data_parallel_ok(n, sp, bwd, data_idx),
+                      strategy_cache=memo.strategies)
     sol = ilp.solve(time_limit)
     if sol is None:
         return None
@@ -229,8 +246,7 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
         if spec is None:
             continue
         targs = tensor_args(node) if node.op == "call_function" else []
-        edge = sum(price(a, env[a], r)
-                   for a, r in zip(targs, spec.inputs) if env[a] != r)
+        edge = sum(edge_cost(a, env[a], r) for a, r in zip(targs, spec.inputs))
         origin = f"solver (1 of {sol.counts[node]})"
         if spec.source == "fallback":
             fallbacks.append(_fallback_message(node, targs, [env[a] for a in targs], edge))
@@ -245,7 +261,7 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
             continue
         want = ilp.want(i, env[o])
         out_inputs.append(want)
-        out_cost += price(o, env[o], want) if env[o] != want else 0.0
+        out_cost += edge_cost(o, env[o], want)
     nodes[ilp.output.name] = NodePlan(
         ilp.output.name, "output", tuple(out_inputs), None, "output", out_cost, 1,
         "forward outputs non-Partial; gradients in their parameter's placement")

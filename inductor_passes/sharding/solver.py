@@ -52,6 +52,10 @@ def _agrees(spec: OpSpec, base: OpSpec, free_axis: int | None) -> bool:
         all(same(x, y) for x, y in zip(spec.inputs, base.inputs))
 
 
+class _TooLarge(Exception):
+    """The program would exceed ``max_vars``; raised while enumerating, caught in __init__."""
+
+
 @dataclasses.dataclass
 class Solution:
     chosen: dict[fx.Node, OpSpec]
@@ -69,8 +73,13 @@ class ShardingILP:
                  edge_cost: Callable[[fx.Node, Placements, Placements], float],
                  max_vars: int = 200_000, base: dict[str, OpSpec] | None = None,
                  free_axis: int | None = None,
-                 keep: Callable[[fx.Node, OpSpec], bool] | None = None) -> None:
+                 keep: Callable[[fx.Node, OpSpec], bool] | None = None,
+                 strategy_cache: dict | None = None) -> None:
         self.keep = keep
+        # OpStrategies depend only on the node, its inputs' placements, the mesh, constraints
+        # and ``keep``: the caller shares this cache between ILPs that agree on those (the
+        # descent re-solves one graph up to 6 times; enumerating was half the planning time)
+        self._strategies = {} if strategy_cache is None else strategy_cache
         self.max_vars = max_vars
         # with ``base`` (an OpSpec per node name), only OpSpecs that agree with it on every mesh
         # axis but ``free_axis`` are offered: one block of a coordinate descent over mesh axes
@@ -91,12 +100,27 @@ class ShardingILP:
         self.constraint_of = constraint_of
         for node, pl in zip(self.primals, primal_placements):
             self.options[node] = [OpSpec((), pl, "input")]
-        self._enumerate()
+        # a lower bound of the variable count, kept while enumerating: a program over the cap
+        # is abandoned as soon as that is known (a 2-D Llama enumerated 3x the cap, then built
+        # every row, only to be rejected: 65% of the planning time at 32 layers)
+        self.min_vars = len(self.primals)
+        self.too_large = False
+        try:
+            self._enumerate()
+        except _TooLarge:
+            self.too_large = True
+            log.info("dynamo_dist: sharding ILP too large (over %d variables after %d of %d "
+                     "nodes); not solved", max_vars, len(self.options), len(gm.graph.nodes))
 
     # -- OpStrategies ----------------------------------------------------------------------------
     def strategy(self, node: fx.Node, current) -> list[OpSpec]:
-        specs = op_strategy(node, current, self.mesh, self.mesh_shape, self.constraint_of)
-        return [sp for sp in specs if self.keep is None or self.keep(node, sp)]
+        key = (node, tuple(current))
+        specs = self._strategies.get(key)
+        if specs is None:
+            specs = op_strategy(node, current, self.mesh, self.mesh_shape, self.constraint_of)
+            specs = [sp for sp in specs if self.keep is None or self.keep(node, sp)]
+            self._strategies[key] = specs
+        return list(specs)
 
     def outputs_of(self, node: fx.Node) -> list:
         return list(dict.fromkeys(s.output for s in self.options[node]))
@@ -149,13 +173,27 @@ class ShardingILP:
                 specs = [sp for sp in specs if _agrees(sp, keep, self.free_axis)] or specs
             if not specs:
                 specs = [replicated_spec(node, ndim, "fallback")]
-            self.options[node] = specs[:MAX_OPTIONS]
+            self.options[node] = specs = specs[:MAX_OPTIONS]
+            self._count(node, specs, targs)
+
+    def _count(self, node: fx.Node, specs: list[OpSpec], targs: list[fx.Node]) -> None:
+        """Add ``node``'s choice and flow variables (as ``solve`` creates them) to the bound."""
+        self.min_vars += len(specs)
+        if node.op == "call_function":
+            for k, u in enumerate(targs):
+                outs, reqs = len(self.outputs_of(u)), len({sp.inputs[k] for sp in specs})
+                if outs > 1 or reqs > 1:
+                    self.min_vars += outs * reqs
+        if self.min_vars > self.max_vars:
+            raise _TooLarge
 
     # -- the program -----------------------------------------------------------------------------
     def solve(self, time_limit: float = 60.0) -> Solution | None:
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_matrix
 
+        if self.too_large:
+            return None
         t0 = time.perf_counter()
         xi: dict[tuple[fx.Node, int], int] = {}
         nodes = [n for n in self.gm.graph.nodes if n in self.options]

@@ -2,6 +2,7 @@
 the final gradients/parameters with a single-process reference. Exits non-zero on mismatch."""
 
 import argparse
+import contextlib
 import copy
 import sys
 
@@ -30,6 +31,24 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _recorder():
+    from benchmarks.bench.comm import CollectiveRecorder  # counts what reaches the dispatcher
+
+    return CollectiveRecorder()
+
+
+def _check_issued(recorder) -> None:
+    from dynamo_dist import compile_records
+
+    ledger = compile_records()[-1].ledger
+    seen = {k: v["count"] for k, v in recorder.summary()["by_kind"].items()}
+    want = {k: n for k, n in ledger.issued_by_kind.items() if n}
+    assert seen == want, f"run time {seen} != ledger issued {want} (buckets {ledger.buckets})"
+    if dist.get_rank() == 0:
+        print(f"ISSUED {sum(seen.values())} collectives for {ledger.count()} ledger entries; "
+              f"buckets {ledger.buckets}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["mlp", "llama"], default="mlp")
@@ -39,6 +58,9 @@ def main() -> int:
     ap.add_argument("--attn", default="sdpa")
     ap.add_argument("--hidden", type=int, default=128,
                     help="MLP hidden size (odd: tensor-parallel weights split unevenly)")
+    ap.add_argument("--check-issued", action="store_true",
+                    help="count the last step's collectives at run time: they must equal the "
+                         "ledger's issued count (after bucketing)")
     ap.add_argument("--local-logits", action="store_true",
                     help="output_plan: logits split over the vocabulary on tp, returned local")
     args = ap.parse_args()
@@ -65,6 +87,9 @@ def main() -> int:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     worst = 0.0
     for step in range(args.steps):
+        last = step == args.steps - 1
+        recorder = _recorder() if args.check_issued and last else contextlib.nullcontext()
+        recorder.__enter__()
         if size is None:
             g = torch.Generator().manual_seed(step)
             batch = (torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g))
@@ -81,8 +106,11 @@ def main() -> int:
             else:
                 assert isinstance(out.logits, DTensor)
         loss.backward()
+        recorder.__exit__(None, None, None)
+        if args.check_issued and last:
+            _check_issued(recorder)
         ref_loss.backward()
-        if step == args.steps - 1:
+        if last:
             for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
                 assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, n
                 torch.testing.assert_close(full(p.grad), q.grad, rtol=1e-4, atol=1e-5, msg=n)

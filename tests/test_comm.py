@@ -1,0 +1,81 @@
+"""The comm pass: FSDP-style collectives bucketed in the code Inductor generates (fake process
+group: the generated code is read, not its values; values are checked on 2 gloo ranks in
+test_multiprocess.py)."""
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dynamo_dist import compile_records
+from dynamo_dist.plans import DataParallelPlanner, shard_module
+from inductor_passes import comm
+
+
+class MLP3(nn.Module):
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x))))).square().mean()
+
+
+def _compile_fsdp_step(fake_mesh):
+    from torch._inductor.utils import run_and_get_code
+
+    mesh = fake_mesh((2,), ("dp",))
+    torch.manual_seed(0)
+    model = MLP3()
+    shard_module(model, mesh, DataParallelPlanner(mesh_axis_size=2).build_plan(model))
+    fn = torch.compile(model, backend="dist")
+    x = torch.randn(8, 64)
+    _, (fw_code, bw_code) = run_and_get_code(lambda: fn(x).backward())
+    return compile_records()[-1].ledger, fw_code, bw_code
+
+
+def _calls(code: str, op: str) -> int:
+    return len(re.findall(rf"_c10d_functional\.{op}\.default\(", code))
+
+
+def test_fsdp_gathers_and_scatters_become_one_collective_each(fake_mesh, monkeypatch):
+    monkeypatch.delenv("DYNAMO_DIST_BUCKET_MB", raising=False)
+    ledger, fw, bw = _compile_fsdp_step(fake_mesh)
+    # 6 parameters: gathered for the forward, gathered again in the backward, 6 gradients
+    assert ledger.count("all_gather", phase="forward") == 6
+    assert ledger.count("reduce_scatter") == 6
+    assert _calls(fw, "all_gather_into_tensor_out") == 1 and _calls(fw, "all_gather_into_tensor") == 0
+    assert _calls(bw, "reduce_scatter_tensor") == 1
+    assert ledger.buckets["all_gather"][0] == 6 and ledger.buckets["reduce_scatter"] == [6]
+    assert ledger.issued("reduce_scatter") == 1 and ledger.issued() < ledger.count()
+
+
+def _issued(code: str, kind: str) -> int:
+    ops = {"all_gather": ("all_gather_into_tensor_out", "all_gather_into_tensor"),
+           "reduce_scatter": ("reduce_scatter_tensor",)}[kind]
+    return sum(_calls(code, op) for op in ops)
+
+
+def test_bucket_cap_splits_buckets_and_zero_turns_bucketing_off(fake_mesh, monkeypatch):
+    # 36 KiB holds two gathered 64 x 64 weights (16 KiB each) and biases, not three weights
+    monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", str(36 / 1024))
+    ledger, fw, bw = _compile_fsdp_step(fake_mesh)
+    assert 2 <= _issued(fw, "all_gather") < 6 and _calls(fw, "all_gather_into_tensor_out") >= 1
+    assert all(n <= 5 for n in ledger.buckets["all_gather"])
+    # what the ledger says is issued is what Inductor generated, forward and backward
+    assert _issued(fw, "all_gather") + _issued(bw, "all_gather") == ledger.issued("all_gather")
+    assert _issued(bw, "reduce_scatter") == ledger.issued("reduce_scatter") >= 2
+
+    torch._dynamo.reset()
+    monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", "0")
+    ledger, fw, bw = _compile_fsdp_step(fake_mesh)
+    assert not any(ledger.buckets.values())
+    assert _calls(fw, "all_gather_into_tensor") == 6 and _calls(bw, "reduce_scatter_tensor") == 6
+    assert ledger.issued("reduce_scatter") == 6
+
+
+def test_bad_bucket_size_names_the_variable(monkeypatch):
+    monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", "lots")
+    with pytest.raises(ValueError, match="DYNAMO_DIST_BUCKET_MB='lots'.*fix"):
+        comm.bucket_cap_mb()
