@@ -25,7 +25,8 @@ from torch._guards import TracingContext, tracing, detect_fake_mode  # noqa: E40
 # -- Inductor (2.13) ------------------------------------------------------------------------
 from torch._inductor.compile_fx import compile_fx_inner  # noqa: E402,F401
 from torch._inductor.decomposition import select_decomp_table  # noqa: E402,F401
-from torch._functorch.partitioners import default_partition  # noqa: E402,F401
+from torch._functorch.partitioners import (  # noqa: E402,F401
+    default_partition, min_cut_rematerialization_partition)
 
 # -- DTensor internals (2.13): spec classes and the strategy registry ----------------------
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402,F401

@@ -73,12 +73,8 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
     if compiled is None:
         with _compat.disable_local_tensor_mode(), compiled_autograd.disabled():
             compiled = _compile(gm, list(example_inputs), inductor)
-    # every rank must issue the same collectives; compare before anything runs (no hang)
-    graphs = [gm]
-    if isinstance(compiled, DistStep):
-        joint = compiled.joint
-        graphs = [g for g in (joint.fw_graph, joint.bw_graph) if g is not None]
-    check_same_schedule(graphs, f"graph of {_code_name(gm)}")
+    if not isinstance(compiled, DistStep):  # planned programs were compared before Inductor
+        check_same_schedule([gm], f"graph of {_code_name(gm)}")
     return compiled
 
 
@@ -202,8 +198,15 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     if base:  # before Inductor, so a graph that fails to compile can be read
         with open(base + "_local_joint.py", "w") as f:
             f.write(local_gm.print_readable(print_output=False))
-    joint = compile_joint(local_gm, program.num_fwd_outputs, has_bwd, inductor)
-    seconds["inductor"] = time.perf_counter() - t
+    # every rank must issue the same collectives: compare the partitioned graphs before
+    # Inductor rewrites them (and before anything runs: no hang)
+    def check(graphs):
+        t0 = time.perf_counter()
+        check_same_schedule(graphs, f"graph of {_code_name(gm)}")
+        seconds["schedule check"] = time.perf_counter() - t0
+
+    joint = compile_joint(local_gm, program.num_fwd_outputs, has_bwd, inductor, check)
+    seconds["inductor"] = time.perf_counter() - t - seconds.get("schedule check", 0.0)
     ledger.buckets, ledger.issued_by_kind = joint.buckets, joint.issued
 
     out_node = next(iter(program.graph_module.graph.find_nodes(op="output")))
