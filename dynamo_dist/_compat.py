@@ -624,6 +624,12 @@ def bucketing_config(cap_mb_by_bucket: Callable[[int], float]) -> dict:
     return out
 
 
+def functorch_config_patch(**entries) -> contextlib.AbstractContextManager:
+    from torch._functorch import config
+
+    return config.patch(**{k: v for k, v in entries.items() if hasattr(config, k)})
+
+
 def inductor_config_patch(entries: dict) -> contextlib.AbstractContextManager:
     from torch._inductor import config
 

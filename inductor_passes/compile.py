@@ -108,10 +108,19 @@ def _partitioner() -> Callable:
     Raises ValueError for another name."""
     name = os.environ.get("DYNAMO_DIST_PARTITIONER", "min_cut")
     if name == "min_cut":
-        return _compat.min_cut_rematerialization_partition
+        return _min_cut
     if name == "default":
         return _compat.default_partition
     raise ValueError(f"DYNAMO_DIST_PARTITIONER={name!r}: fix: use 'min_cut' or 'default'")
+
+
+def _min_cut(gm: fx.GraphModule, inputs, *, num_fwd_outputs: int):
+    # without its CSE: CSE merges a ZeRO-3 backward re-gather with the forward gather of the same
+    # shard, keeping every gathered parameter alive from forward to backward; whether to
+    # re-gather is the plan's choice (priced with the parameter's memory), not the partitioner's
+    with _compat.functorch_config_patch(cse=False):
+        return _compat.min_cut_rematerialization_partition(gm, inputs,
+                                                           num_fwd_outputs=num_fwd_outputs)
 
 
 def _tag_forward(gm: fx.GraphModule, num_fwd_outputs: int) -> None:
@@ -145,6 +154,16 @@ def _tag_forward(gm: fx.GraphModule, num_fwd_outputs: int) -> None:
     for node in gm.graph.nodes:
         if node.op != "output":
             node.meta["partitioner_tag"] = "is_forward" if node in forward else "is_backward"
+    # A backward collective whose inputs are all forward values (ZeRO-3's re-gather of a
+    # parameter, an all_to_all of a saved activation) would be computed by the min-cut
+    # partitioner in the forward and saved, since it must save collectives and never recompute
+    # them: memory held from forward to backward (96 tp all_to_alls moved so on the 32-layer
+    # Llama-3-8B simulation). Pin them, and their waits, to the backward.
+    for node in gm.graph.nodes:
+        if node not in forward and comm.collective_kind(node) is not None:
+            node.meta["partitioner_tag"] = "must_be_in_backward"
+            for user in node.users:
+                user.meta["partitioner_tag"] = "must_be_in_backward"
     gm.graph.lint()
 
 

@@ -15,6 +15,17 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class SmallMLP(torch.nn.Module):
+    """16 -> 32 -> 16, ReLU, summed: the smallest program with a tensor-parallel pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))).sum()
+
+
 def make_fake_mesh(shape, names, rank: int = 0):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -5,27 +5,18 @@ import logging
 import os
 
 import torch
-import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 
+from conftest import SmallMLP
 from dynamo_dist import compile_records, plan_cache
 from dynamo_dist.plans import ShardingPlan, shard_module
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x))).sum()
 
 
 def _plan(fake_mesh, fc1_weight):
     torch._dynamo.reset()
     mesh = fake_mesh((2,), ("tp",))
     torch.manual_seed(0)
-    model = MLP()
+    model = SmallMLP()
     shard_module(model, mesh, ShardingPlan(plan={"fc1.weight": {"tp": fc1_weight},
                                                  "fc2.weight": {"tp": Shard(1)}}))
     torch.compile(model, backend="dist", options={"inductor": False})(torch.randn(4, 16)).backward()

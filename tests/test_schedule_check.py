@@ -4,20 +4,11 @@ not, so a rank that compiled and a rank that hit the cache once looked divergent
 failure)."""
 
 import torch
-import torch.nn as nn
 from torch.distributed.tensor import Shard
 
+from conftest import SmallMLP
 from dynamo_dist import backend
 from dynamo_dist.plans import ShardingPlan, shard_module
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x))).sum()
 
 
 def test_schedule_checked_is_the_same_for_a_fresh_compile_and_a_cache_hit(
@@ -32,7 +23,7 @@ def test_schedule_checked_is_the_same_for_a_fresh_compile_and_a_cache_hit(
     for _ in range(2):  # the first compile is fresh, the second hits Inductor's FX graph cache
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = MLP()
+        model = SmallMLP()
         shard_module(model, mesh, ShardingPlan(plan={"fc1.weight": {"tp": Shard(0)},
                                                      "fc1.bias": {"tp": Shard(0)},
                                                      "fc2.weight": {"tp": Shard(1)}}))
