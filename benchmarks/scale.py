@@ -564,7 +564,6 @@ def run_baseline(args) -> dict:
     axes = _group_axes(mesh)
     graphs: dict[str, list] = {"forward": [], "backward": []}
     node_counts = {"forward": 0, "backward": 0}
-    aot_seconds = {"forward": 0.0, "backward": 0.0}
 
     def recorder(phase):
         def compiler(gm, example_inputs):

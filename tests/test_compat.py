@@ -57,3 +57,30 @@ def test_metadata_patches_installed():
     from torch.distributed.distributed_c10d import _get_default_store
 
     assert _compat.default_store.__doc__ and callable(_get_default_store)
+
+
+def test_inductor_bucketing_and_partitioner_hooks():
+    """Inductor's FX bucketing switches (and their cap callables), its grouping functions, the
+    min-cut partitioner's signature and functorch's CSE switch: what inductor_passes.comm and
+    compile_joint use."""
+    import functools
+
+    import torch.fx as fx
+
+    cap = functools.partial(lambda mb, i: mb, 25.0)
+    entries = _compat.bucketing_config(cap)
+    assert entries["bucket_all_gathers_fx"] == "all" and entries["bucket_reduce_scatters_fx"] == "all"
+    with _compat.inductor_config_patch(entries):
+        from torch._inductor import config
+
+        assert config.bucket_all_gathers_fx_bucket_size_determinator is cap
+    assert _compat.predict_buckets(fx.symbolic_trace(torch.nn.Linear(2, 2)), cap) == {
+        "all_gather": [], "reduce_scatter": [], "all_reduce": []}
+    with _compat.functorch_config_patch(cse=False):
+        from torch._functorch import config as fconfig
+
+        assert fconfig.cse is False
+    import inspect
+
+    params = inspect.signature(_compat.min_cut_rematerialization_partition).parameters
+    assert "num_fwd_outputs" in params and params["num_fwd_outputs"].kind is inspect.Parameter.KEYWORD_ONLY
