@@ -275,8 +275,9 @@ def inductor_seconds(joint) -> dict:
 
 
 def _tune_planner(max_vars: int | None, time_limit: float | None) -> None:
-    """Experiment knobs (defaults: the library's own, 200k variables and 30 s per ILP): raise the
-    size above which an ILP is skipped, and the HiGHS time limit of each ILP."""
+    """Experiment knobs (defaults: the library's own caps, 200k variables for the joint N-D ILP
+    and 1M for the others, and 30 s per ILP): the size above which every ILP is skipped, and the
+    HiGHS time limit of each ILP."""
     import inductor_passes.sharding.propagate as P
     import inductor_passes.sharding.solver as SV
 
@@ -682,8 +683,9 @@ def write_markdown() -> str:
                    + (f"{r['loadavg']['start'][0]:.1f} / {r['loadavg']['end'][0]:.1f} |"
                       if r.get("loadavg") else "- |"))
     md.append("")
-    md += ["Planner stages of each run (seconds; an ILP not 'solved' was too large (> 200k "
-           "variables) or not optimal within its 30 s limit, and is skipped):", ""]
+    md += ["Planner stages of each run (seconds; an ILP not 'solved' was too large (the joint N-D "
+           "program over 200k variables, others over 1M; before 4cc8269 every ILP over 200k) or "
+           "not optimal within its 30 s limit, and is skipped):", ""]
     for r in runs:
         stages = ", ".join(f"{e['stage']} {e['seconds']:.1f}s{'' if e['solved'] else ' (not solved)'}"
                            for e in r["ours"]["planner_stages"])
@@ -786,8 +788,8 @@ def extrapolation(runs: list[dict]) -> list[str]:
            f"Per-layer figures from the {la}- and {lb}-layer runs (ours: the collectives whose "
            f"count grows with the layers, see `_per_layer_ledger`; DTensor plan: the difference "
            f"of totals, its structure is fixed); value(32) = value({lb}) + (32 - {lb}) x per "
-           f"layer. Times are not linear: the planner skips each ILP above 200k variables, so "
-           f"larger models take other paths (see the planner stages above).", "",
+           f"layer. Times need not be linear: the planner skips an ILP above its variable cap, so "
+           f"larger models can take other paths (see the planner stages above).", "",
            "| quantity | per layer | 32 layers, extrapolated | 32 layers, measured |",
            "|---|--:|--:|--:|"]
 
