@@ -5,8 +5,13 @@ process.
     python -m dynamo_dist.demo --mesh dp=2,tp=2 # 4 ranks
 
 Prints per step the loss, the single-process reference loss and their difference; then compile
-time, median step time, the collective ledger of one step, and the largest parameter difference.
-Exits 1 when a loss or a final parameter leaves the fp32 tolerance (relative, default 1e-4).
+time, median step time, the collective ledger of one step, the largest first-step gradient
+difference and the largest final parameter difference. Exits 1 when a loss or a first-step
+gradient leaves the fp32 tolerance (relative, default 1e-4), or a final parameter leaves
+``--param-tol`` (relative Frobenius per tensor, default 1e-3: after AdamW steps, gradient elements
+at rounding level take Adam's update of about ``lr * sign(g)``, whose sign follows the reduction
+order; torch's own DTensor eager differs from one process by 2.1e-4 on this model, see
+benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -45,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa",
                     help="the Llama's attention: transformers' default (sdpa: the fused kernel) "
                          "or eager (matmul + softmax)")
-    ap.add_argument("--tol", type=float, default=1e-4, help="relative fp32 tolerance")
+    ap.add_argument("--tol", type=float, default=1e-4,
+                    help="relative fp32 tolerance of losses and first-step gradients")
+    ap.add_argument("--param-tol", type=float, default=1e-3,
+                    help="relative tolerance of the final parameters (AdamW amplifies rounding)")
     ap.add_argument("--no-inductor", action="store_true", help="run the local graphs as FX graphs")
     args = ap.parse_args(argv)
     axes = parse_mesh(args.mesh)
@@ -101,6 +109,9 @@ def run(args, axes: dict[str, int]) -> int:
         t = time.perf_counter()
         out = compiled(input_ids=ids, labels=ids)
         out.loss.backward()
+        if step == 0:  # the gradients themselves, before AdamW amplifies rounding differences
+            grads0 = [(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                      for p in model.parameters()]
         opt.step()
         opt.zero_grad()
         loss = out.loss.full_tensor().item() if isinstance(out.loss, DTensor) else out.loss.item()
@@ -111,6 +122,9 @@ def run(args, axes: dict[str, int]) -> int:
             step_times.append(dt)
         ref_out = ref(input_ids=ids, labels=ids)
         ref_out.loss.backward()
+        if step == 0:
+            grad_rel = max(((g - q.grad).norm() / q.grad.norm().clamp_min(1e-12)).item()
+                           for g, q in zip(grads0, ref.parameters()))
         ref_opt.step()
         ref_opt.zero_grad()
         r = ref_out.loss.item()
@@ -141,10 +155,11 @@ def run(args, axes: dict[str, int]) -> int:
         q = q.detach()
         param_abs = max(param_abs, (full - q).abs().max().item())
         param_rel = max(param_rel, ((full - q).norm() / q.norm().clamp_min(1e-12)).item())
-    say(f"largest loss difference (relative): {worst:.2e}; largest parameter difference: "
-        f"{param_rel:.2e} relative (Frobenius, per tensor), {param_abs:.2e} absolute; "
-        f"tolerance {args.tol:.0e}")
-    ok = worst <= args.tol and param_rel <= args.tol
+    say(f"largest loss difference (relative): {worst:.2e}; largest first-step gradient "
+        f"difference: {grad_rel:.2e} relative (Frobenius, per tensor); tolerance {args.tol:.0e}")
+    say(f"largest final parameter difference: {param_rel:.2e} relative (Frobenius, per tensor), "
+        f"{param_abs:.2e} absolute; tolerance {args.param_tol:.0e}")
+    ok = worst <= args.tol and grad_rel <= args.tol and param_rel <= args.param_tol
     say("[green]PASS[/]" if ok else "[red]FAIL[/]: outside tolerance")
     dist.barrier()
     dist.destroy_process_group()
