@@ -48,23 +48,13 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from inductor_passes import comm
+
 from . import _compat
 from .errors import DistCompileError
 from .ledger import CollectiveEntry, CollectiveLedger
 
 log = logging.getLogger("dynamo_dist")
-
-# _c10d_functional collective -> ledger kind; the process group name is each op's last argument
-_KINDS = {
-    "all_reduce": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,16 +131,12 @@ def collectives(gm: fx.GraphModule) -> list[GraphCollective]:
     """
     found = []
     for node in gm.graph.nodes:
-        if node.op != "call_function":
+        name = comm.collective_op(node)
+        if name is None:
             continue
-        # an OpOverloadPacket prints as "ns.op", an OpOverload as "ns.op.overload"
-        ns, _, rest = str(node.target).partition(".")
-        name = rest.split(".")[0]
-        if ns != "_c10d_functional" or name not in _KINDS:
-            continue
-        inp = node.args[0] if node.args else None
+        inp = node.args[0] if node.args else None  # the group name is each op's last argument
         group = node.args[-1] if node.args else node.kwargs.get("group_name")
-        found.append(GraphCollective(_KINDS[name], name, str(group), _input_bytes(inp),
+        found.append(GraphCollective(comm.KINDS[name], name, str(group), _input_bytes(inp),
                                      node.name, _user_frame(node)))
     return found
 

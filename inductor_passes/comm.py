@@ -47,33 +47,52 @@ def _cap(mb: float, bucket_index: int) -> float:
     return mb
 
 
-def inductor_config() -> dict:
-    """Inductor config entries that turn bucketing on with our cap (empty when it is off).
-
-    The cap goes in as ``functools.partial(_cap, mb)``: Inductor's FX graph cache pickles its
-    config into the key, so another cap is another cache entry, never a stale bucketing."""
+def _cap_fn():
+    """Our cap as Inductor takes it (MiB by bucket index), or None when bucketing is off. A
+    ``functools.partial``: Inductor's FX graph cache pickles its config into the key, so another
+    cap is another cache entry, never a stale bucketing."""
     mb = bucket_cap_mb()
-    if mb <= 0:
-        return {}
-    return _compat.bucketing_config(functools.partial(_cap, mb))
+    return functools.partial(_cap, mb) if mb > 0 else None
 
 
-_KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-          "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
-
-
-def collective_kind(node: fx.Node) -> str | None:
-    """The ledger's kind of a functional collective node (``_c10d_functional``), else None."""
-    target = node.target
-    if node.op != "call_function" or getattr(target, "namespace", None) != "_c10d_functional":
-        return None
-    return _KINDS.get(target._opname)
+def inductor_config() -> dict:
+    """Inductor config entries that turn bucketing on with our cap (empty when it is off)."""
+    cap = _cap_fn()
+    return _compat.bucketing_config(cap) if cap else {}
 
 
 def predicted_buckets(gm: fx.GraphModule) -> dict[str, list[int]]:
     """Per collective kind, the sizes (number of collectives merged) of the buckets Inductor will
     form in ``gm``: what the ledger reports as issued. Reads the graph, changes nothing."""
-    mb = bucket_cap_mb()
-    if mb <= 0:
-        return {}
-    return _compat.predict_buckets(gm, functools.partial(_cap, mb))
+    cap = _cap_fn()
+    return _compat.predict_buckets(gm, cap) if cap else {}
+
+
+# _c10d_functional collective op -> ledger kind (wait_tensor is not a collective)
+KINDS = {
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+}
+
+
+def collective_op(node: fx.Node) -> str | None:
+    """The ``_c10d_functional`` op name of a collective node (``all_gather_into_tensor``, no
+    overload), else None. Takes an OpOverload ("ns.op.overload") or an OpOverloadPacket
+    ("ns.op"), as Dynamo's and AOTAutograd's graphs hold either."""
+    if node.op != "call_function":
+        return None
+    ns, _, rest = str(node.target).partition(".")
+    name = rest.split(".")[0]
+    return name if ns == "_c10d_functional" and name in KINDS else None
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """The ledger's kind of a functional collective node, else None."""
+    op = collective_op(node)
+    return KINDS[op] if op else None

@@ -106,8 +106,8 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
     """
     args = (gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
             constraint_of, origins, tuple(data_axes))
-    memo = _Memo(EdgePricer(gm, mesh, origins, data_axes))  # shared by the ILPs on this mesh
     if method == "ilp":
+        memo = _Memo(EdgePricer(gm, mesh, origins, data_axes))  # shared by the ILPs on this mesh
         max_vars = JOINT_MAX_VARS if len(mesh.shape) > 1 else AXIS_MAX_VARS
         plan = _solve_ilp(*args, time_limit, memo=memo, max_vars=max_vars)
         if plan is not None:
