@@ -16,8 +16,8 @@ import torch.utils._pytree as pytree
 
 from dynamo_dist import _compat
 
-from .placements import Placements, is_placements, normalize, valid_for
-from .rules import OpSpec, tensor_args
+from ..placements import Placements, is_placements, normalize, valid_for
+from .base import OpSpec, tensor_args
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,172 @@
+"""Op sharding rules: for one FX node, the OpStrategy (every acceptable OpSpec).
+
+An ``OpSpec`` says: if the tensor inputs hold these placements, the op computed on local shards
+gives outputs with these placements. Rules come from three sources, tried in order, and each
+OpSpec records which one produced it (``source``):
+
+1. native rules written here per op family, for ONE mesh axis and expanded to N-D meshes by
+   ``expand_to_mesh``: pointwise ops (from ``torch.Tag.pointwise``, with Partial kept only
+   through ops that are linear in that argument), matmuls as einsum strings, factory ops,
+   sharding constraints;
+2. DTensor's strategy registry, through ``rules.dtensor`` (views, reductions, embedding, ...);
+3. none: the op runs replicated (every input all-gathered), which propagation logs with its cost.
+
+Each family lives in its own module (``pointwise``, ``matmul``, ``attention``, ``indexing``,
+``manual``, ``dtensor``); this module dispatches a node to its family and applies the filters
+every OpSpec must pass (``op_strategy``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Shard
+
+from dynamo_dist import _compat  # noqa: F401  (its Inductor imports register the prims ops)
+from dynamo_dist.ops import MATMUL_ND
+
+from ..placements import Placements, is_placements, replicate, shard_range
+from .attention import ATTENTION, attention_strategy
+from .base import (GETITEM, AxisOption, OpSpec, expand_multi_output, expand_to_mesh,
+                   replicated_spec, tensor_args, val_shape)
+from .dtensor import dtensor_strategy
+from .indexing import index_put_accumulate_strategy, slice_scatter_strategy
+from .manual import manual_strategy
+from .matmul import EINSUM, einsum_strategy
+from .pointwise import REVERSE, is_pointwise, is_random, pointwise_strategy, reverse_strategy
+
+__all__ = ["GETITEM", "AxisOption", "OpSpec", "expand_multi_output", "expand_to_mesh",
+           "is_pointwise", "is_random", "op_strategy", "replicated_spec", "tensor_args",
+           "val_shape"]
+
+aten = torch.ops.aten
+
+
+def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: Sequence[int],
+                constraint_of: Callable[[fx.Node], Placements | None]) -> list[OpSpec]:
+    """All acceptable OpSpecs for ``node`` (empty list: no rule, caller falls back).
+
+    ``current`` holds the placements its tensor inputs have now (DTensor's rules need them to
+    enumerate). ``constraint_of`` returns the placements a sharding-constraint node pins.
+    """
+    def kept(specs):
+        return [s for s in specs if _partial_only_on_floats(node, s) and
+                _one_placement_per_value(node, s) and _uneven_aligned(node, s, mesh_shape)]
+
+    specs = kept(_op_strategy(node, current, mesh, mesh_shape, constraint_of))
+    rep = tuple(replicate(len(mesh_shape)) for _ in current)
+    if not specs and tuple(current) != rep:
+        # DTensor's rules answer from the inputs' placements, and some have nothing usable for
+        # a split they cannot compute on (amax over its uneven split dim): what they do for
+        # replicated inputs is then the planned option (gather, compute), priced and in the
+        # ledger, not a no-rule fallback. (Asked always, the extra options moved the Llama tp
+        # plan from Megatron's 16 all_reduce to 32 gathers/scatters/reduces.)
+        specs = kept(_op_strategy(node, rep, mesh, mesh_shape, constraint_of))
+    return specs
+
+
+# rules whose kernels compute right on an empty local piece (0 rows of a matmul, of a sum)
+_EMPTY_OK = ("pointwise", "einsum:", "reverse", "slice_scatter", "index_put_accumulate")
+
+
+def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> bool:
+    """An OpSpec that splits a dim unevenly (size 5 over 4 ranks: pieces 2, 2, 1, 0) is kept
+    only where the local computation stays right on such pieces:
+
+    - on that mesh axis, every split operand (inputs and outputs) has the same size on its
+      split dim, so all pieces line up (a reshape that merges the dim, or a broadcast, does not);
+    - a reduction over the split dim leaves Partial(sum) only: an average of uneven pieces is not
+      the mean, and max/min of an empty piece is an error;
+    - a split that leaves some rank an empty piece only for rules whose kernels take empty
+      inputs (``_EMPTY_OK``); other kernels may reject them (MKL's FFT does).
+
+    The same rule with an even split is DTensor's, so nothing else changes for uneven pieces.
+    """
+    if spec.source in ("constraint", "input", "manual"):
+        return True  # the user's own placements
+    pairs = [(val_shape(a), p) for a, p in zip(tensor_args(node), spec.inputs)]
+    n_in = len(pairs)
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and is_placements(spec.output):
+        pairs.append((tuple(val.shape), spec.output))
+    elif isinstance(val, (tuple, list)) and not is_placements(spec.output):
+        pairs += [(tuple(v.shape), p) for v, p in zip(val, spec.output)
+                  if isinstance(v, torch.Tensor) and p is not None]
+    for axis, n in enumerate(mesh_shape):
+        sizes = {shape[p[axis].dim] for shape, p in pairs if type(p[axis]) is Shard}
+        if not any(s % n for s in sizes):
+            continue
+        if len(sizes) > 1:
+            return False
+        if shard_range(sizes.pop(), n, n - 1)[1] == 0 and not spec.source.startswith(_EMPTY_OK):
+            return False
+        split_in = any(type(p[axis]) is Shard for _, p in pairs[:n_in])
+        if split_in and any(isinstance(p[axis], Partial) and p[axis].reduce_op != "sum"
+                            for _, p in pairs[n_in:]):
+            return False
+    return True
+
+
+def _one_placement_per_value(node: fx.Node, spec: OpSpec) -> bool:
+    """A value passed twice (``mul(x, x)``) is one local tensor: an OpSpec asking for it in two
+    placements (mul's "linear in one operand" with (Partial, Replicate)) computes x * x as if it
+    were linear in x."""
+    seen: dict[fx.Node, object] = {}
+    for a, p in zip(tensor_args(node), spec.inputs):
+        if seen.setdefault(a, p) != p:
+            return False
+    return True
+
+
+def _partial_only_on_floats(node: fx.Node, spec: OpSpec) -> bool:
+    """A pending sum of integers or booleans (indices, masks) is never what a program means."""
+    vals = [(a.meta["val"], p) for a, p in zip(tensor_args(node), spec.inputs)]
+    out = node.meta.get("val")
+    if isinstance(out, torch.Tensor) and is_placements(spec.output):
+        vals.append((out, spec.output))
+    return all(v.is_floating_point() or not any(isinstance(p, Partial) for p in pls)
+               for v, pls in vals)
+
+
+def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]:
+    op = node.target
+    ndim = len(mesh_shape)
+    if node.op == "get_attr":  # a tensor constant the trace captured (torch.tensor(0.) ...)
+        return [replicated_spec(node, ndim, "constant")]
+    pinned = constraint_of(node)
+    if pinned is not None:
+        return [OpSpec((pinned,), pinned, "constraint")]
+    manual = manual_strategy(node, ndim)
+    if manual is not None:
+        return [manual]
+    if is_random(op) and op not in ATTENTION:  # SDPA's own rule handles its dropout
+        # Random draws (bernoulli for dropout, rand, normal, ...) run replicated: every rank draws
+        # the GLOBAL tensor from its own generator and consumers slice it. With the same seed on
+        # every rank this gives the same numbers as one device; a sharded draw would not.
+        return [replicated_spec(node, ndim, "random")]
+    if not tensor_args(node):
+        return [replicated_spec(node, ndim, "factory")]
+    if node.meta.get("val") is None:
+        # an op with no tensor result checks its inputs (aten._linalg_check_errors raises on a
+        # nonzero info): it reads the whole value on every rank, so all ranks raise together
+        return [replicated_spec(node, ndim, "check")]
+    if op in EINSUM:
+        return einsum_strategy(node, EINSUM[op], mesh_shape)
+    if op is MATMUL_ND:
+        batch = "abcdefgh"[: val_shape(node).__len__() - 2]
+        return einsum_strategy(node, f"{batch}mk,{batch}kn->{batch}mn", mesh_shape)
+    if op is aten._unsafe_masked_index_put_accumulate.default:
+        return index_put_accumulate_strategy(node, mesh_shape)
+    if op is aten.slice_scatter.default:
+        return slice_scatter_strategy(node, mesh_shape)
+    if op in ATTENTION:
+        return attention_strategy(node, mesh_shape)
+    if op in REVERSE:
+        return reverse_strategy(node, mesh_shape)
+    if is_pointwise(op):
+        return pointwise_strategy(node, mesh_shape)
+    return dtensor_strategy(node, current, mesh, mesh_shape)
+
+
