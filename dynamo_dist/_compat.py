@@ -113,6 +113,14 @@ def current_compile_id() -> str | None:
     return None if cid is None else str(cid)
 
 
+def preserve_backward_stack_traces(grad_fns: list) -> None:
+    """Autograd hooks that give each backward node the forward node's stack trace while a joint
+    graph is traced (AOTAutograd's own mechanism; checked on torch 2.11 and 2.13)."""
+    from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
+
+    setup_stacktrace_preservation_hooks([g for g in grad_fns if g is not None])
+
+
 # -- compiled autograd (2.13) ------------------------------------------------------------------
 from torch.fx.experimental._backward_state import BackwardState  # noqa: E402,F401 (hooks' carrier)
 
