@@ -40,10 +40,15 @@ def _planner_fingerprint() -> str:
 
     h = hashlib.sha256(f"{_VERSION} {torch.__version__}".encode())
     folder = os.path.dirname(sharding.__file__)
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as f:
-                h.update(name.encode() + f.read())
+    # every subpackage too: the op rules live in sharding/rules/ (a flat listing missed them,
+    # and an edited rule was answered with the stale cached plan)
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                with open(path, "rb") as f:
+                    h.update(os.path.relpath(path, folder).encode() + f.read())
     return h.hexdigest()
 
 

@@ -60,3 +60,24 @@ def test_cache_off_writes_nothing(fake_mesh, monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     _plan(fake_mesh, Shard(0))
     assert not _entries(tmp_path) and not plan_cache.enabled()
+
+
+def test_editing_an_op_rule_changes_the_key(monkeypatch, tmp_path):
+    """The rules live in a subpackage (sharding/rules/); a key blind to them answered an edited
+    rule with the stale plan (the GQA attention fix was invisible until the cache was cleared)."""
+    import shutil
+
+    import inductor_passes.sharding as sharding
+
+    copy = tmp_path / "sharding"
+    shutil.copytree(os.path.dirname(sharding.__file__), copy)
+    monkeypatch.setattr(sharding, "__file__", str(copy / "__init__.py"))
+    plan_cache._planner_fingerprint.cache_clear()
+    try:
+        before = plan_cache._planner_fingerprint()
+        with open(copy / "rules" / "attention.py", "a") as f:
+            f.write("\n# edited\n")
+        plan_cache._planner_fingerprint.cache_clear()
+        assert plan_cache._planner_fingerprint() != before
+    finally:
+        plan_cache._planner_fingerprint.cache_clear()
