@@ -143,7 +143,12 @@ def _pack(values: dict[int, Any]) -> Any:
 
     if all(v is None for v in values.values()):
         return None
-    return LocalTensor({r: v.detach() for r, v in values.items()})
+    values = {r: v.detach() for r, v in values.items()}
+    if len({(v.stride(), v.storage_offset()) for v in values.values()}) > 1:
+        # ranks' local layouts may differ (rank 1's slice starts further into the buffer); a
+        # LocalTensor then has a symbolic layout, which Dynamo cannot take as a graph input
+        values = {r: v.clone(memory_format=torch.contiguous_format) for r, v in values.items()}
+    return LocalTensor(values)
 
 
 class SimulatedJoint:
