@@ -113,6 +113,17 @@ def current_compile_id() -> str | None:
     return None if cid is None else str(cid)
 
 
+def sdpa_takes_math_path(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                         scale=None, enable_gqa=False) -> bool:
+    """Whether ``F.scaled_dot_product_attention`` on these (fake) tensors dispatches to its math
+    path (``torch._fused_sdp_choice`` is 0 for math; checked on torch 2.11 and 2.13)."""
+    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+        return False
+    kwargs = {"scale": scale, "enable_gqa": enable_gqa} if enable_gqa else {"scale": scale}
+    return int(torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal,
+                                       **kwargs)) == 0
+
+
 def preserve_backward_stack_traces(grad_fns: list) -> None:
     """Autograd hooks that give each backward node the forward node's stack trace while a joint
     graph is traced (AOTAutograd's own mechanism; checked on torch 2.11 and 2.13)."""

@@ -8,8 +8,8 @@ their input gradients summed first); nothing else moves on the tensor-parallel a
 Fully-sharded data parallelism (FSDP / ZeRO-3, Rajbhandari et al. 2020): every parameter sharded
 on the data axis is all-gathered once in the forward, at most once more in the backward (the
 re-gather of what the backward needs), and its gradient is reduce-scattered once; a parameter
-replicated there (DDP) has its gradient all-reduced once; the loss (a mean over the batch) is
-all-reduced once, and synchronized batch norm all-reduces at most two statistics per layer in
+replicated there (DDP) has its gradient all-reduced once; the loss (a mean over the batch) needs
+its sum and its count of valid labels all-reduced, and synchronized batch norm all-reduces at most two statistics per layer in
 each direction. Counts are per step, before bucketing (the ledger's entries).
 """
 
@@ -73,8 +73,9 @@ def _fsdp(model: nn.Module, plan: ShardingPlan, params) -> list[Expected]:
     replicated = [d for d in plan.decisions if d.axis == "dp" and not d.sharded and
                   params[d.names[0]].requires_grad]
     norms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    out = [Expected("dp", "forward", "all_reduce", 1 + 2 * norms, False,
-                    "the loss" + (f", batch statistics of {norms} batch norms" if norms else ""))]
+    out = [Expected("dp", "forward", "all_reduce", 2 + 2 * norms, False,
+                    "the loss (its sum and its count of valid labels)" +
+                    (f", batch statistics of {norms} batch norms" if norms else ""))]
     if sharded:
         out += [Expected("dp", "forward", "all_gather", len(sharded), True,
                          "each FSDP parameter once"),

@@ -52,7 +52,7 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
     enumerate). ``constraint_of`` returns the placements a sharding-constraint node pins.
     """
     def kept(specs):
-        return [s for s in specs if _partial_only_on_floats(node, s) and
+        return [s for s in specs if _partial_only_on_numbers(node, s) and
                 _one_placement_per_value(node, s) and _uneven_aligned(node, s, mesh_shape)]
 
     specs = kept(_op_strategy(node, current, mesh, mesh_shape, constraint_of))
@@ -120,14 +120,21 @@ def _one_placement_per_value(node: fx.Node, spec: OpSpec) -> bool:
     return True
 
 
-def _partial_only_on_floats(node: fx.Node, spec: OpSpec) -> bool:
-    """A pending sum of integers or booleans (indices, masks) is never what a program means."""
+def _partial_only_on_numbers(node: fx.Node, spec: OpSpec) -> bool:
+    """No pending reduction of booleans (masks); integers only as a pending sum, which is exact
+    (a count of valid labels over a split batch: one all_reduce of a scalar, not a gather of the
+    mask); an average or max of integers is not what integer code means."""
     vals = [(a.meta["val"], p) for a, p in zip(tensor_args(node), spec.inputs)]
     out = node.meta.get("val")
     if isinstance(out, torch.Tensor) and is_placements(spec.output):
         vals.append((out, spec.output))
-    return all(v.is_floating_point() or not any(isinstance(p, Partial) for p in pls)
-               for v, pls in vals)
+    for v, pls in vals:
+        if v.is_floating_point() or v.is_complex():
+            continue
+        partial = [p for p in pls if isinstance(p, Partial)]
+        if partial and (v.dtype is torch.bool or any(p.reduce_op != "sum" for p in partial)):
+            return False
+    return True
 
 
 def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]:
