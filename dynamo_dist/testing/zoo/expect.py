@@ -97,16 +97,26 @@ def _fsdp(model: nn.Module, plan: ShardingPlan, params) -> list[Expected]:
 
 def compare(expected: list[Expected], counts: dict[tuple[str, str, str], int]
             ) -> list[dict]:
-    """Rows (axis, phase, kind, ours, textbook, verdict): verdict "=" , "fewer" or "MORE"
-    (more than the textbook plan: the cell's plan is worse than it should be)."""
-    rows = []
+    """Rows (axis, phase, kind, ours, textbook, verdict). A collective of another kind can stand
+    in for the textbook's at the same cost (an all_reduce of a summed gradient for the
+    reduce_scatter of a small table's, an all_to_all of an expanded parameter for its gather),
+    so the verdict reads the totals of each (axis, phase): "MORE" when ours moves more
+    collectives there than the textbook plan (the cell's plan is worse than it should be),
+    "other kind" when a kind exceeds its count but the total does not, "fewer" when an exact
+    count is not reached, else "="."""
     keys = {(e.axis, e.phase, e.kind): e for e in expected}
+    totals: dict[tuple[str, str], list[int]] = {}
+    for key in set(keys) | set(counts):
+        t = totals.setdefault(key[:2], [0, 0])
+        t[0] += counts.get(key, 0)
+        t[1] += keys[key].count if key in keys else 0
+    rows = []
     for key in sorted(set(keys) | set(counts)):
         e = keys.get(key)
-        ours = counts.get(key, 0)
-        want = e.count if e else 0
+        ours, want = counts.get(key, 0), (e.count if e else 0)
+        more_total = totals[key[:2]][0] > totals[key[:2]][1]
         if ours > want:
-            verdict = "MORE"
+            verdict = "MORE" if more_total else "other kind"
         elif ours < want and e is not None and e.exact:
             verdict = "fewer"
         else:
