@@ -210,3 +210,16 @@ def test_heads_a_split_would_cut_stay_whole():
     assert d[attn + "o_proj.weight"].placement == Shard(1)
     llama = _decisions(TensorParallelPlanner(mesh_axis_size=2).build_plan(MODELS["llama"].build()))
     assert llama["model.layers.0.self_attn.k_proj.weight"].placement == Shard(0)  # 2 kv heads
+
+
+def test_relative_position_bias_table_splits_with_the_heads():
+    """T5's relative_attention_bias is an embedding of [buckets, heads] added to each head's
+    scores: split on its head columns, its gradient stays local (no gather of it or of the
+    head-split scores' gradient)."""
+    model = MODELS["t5"].build()
+    d = _decisions(TensorParallelPlanner(mesh_axis_size=2).build_plan(model))
+    table = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    assert d[table].placement == Shard(1) and d[table].role == "head table"
+    assert not d["shared.weight"].sharded  # the word embedding is not a head table
+    odd = _decisions(TensorParallelPlanner(mesh_axis_size=3).build_plan(MODELS["t5"].build()))
+    assert not odd[table].sharded and "does not divide" in odd[table].reason

@@ -78,6 +78,10 @@ class _Provenance(TorchFunctionMode):
         self.alive: list[torch.Tensor] = []               # ids stay unique while tracing
         self.projections: dict[int, Projection] = {}
         self.roots: dict[int, int] = {}                    # id(tensor) -> id of its root
+        # id(tensor) -> ids of embedding tables it was looked up from; and the tables whose
+        # columns turn out to be attention heads (a relative position bias): table id -> heads
+        self.lookups: dict[int, frozenset[int]] = {}
+        self.head_tables: dict[int, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -95,6 +99,7 @@ class _Provenance(TorchFunctionMode):
                     self.roots[id(t)] = root
                     self.alive.append(t)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        self._follow_lookups(name, args, kwargs, tensors, out)
         tags = frozenset().union(*(self.tags.get(id(t), frozenset()) for t in tensors))
         if tags:
             x = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -212,6 +217,39 @@ class _Provenance(TorchFunctionMode):
             if x.shape[dim] == proj.width and dim % x.ndim == x.ndim - 1 and len(pieces) > 1:
                 proj.parts = len(pieces) if len(sizes) == 1 else 0
 
+    def _follow_lookups(self, name: str, args, kwargs, tensors, out) -> None:
+        """Embedding lookups and what they flow into; a looked-up table whose columns meet the
+        heads of an attention (its output is the mask SDPA adds, or is added to scores) is a
+        head table."""
+        if name == "embedding" and len(args) > 1 and id(args[1]) in self.params:
+            found = frozenset({id(args[1])})
+        else:
+            found = frozenset().union(*(self.lookups.get(id(t), frozenset()) for t in tensors))
+        if not found:
+            return
+        if name == "scaled_dot_product_attention":
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            self._meet_heads(self.lookups.get(id(mask), frozenset()), mask, args[0])
+        elif name in ("add", "__add__", "__radd__", "add_", "__iadd__") and len(tensors) == 2:
+            a, b = tensors
+            if self.tags.get(id(a)) and not self.tags.get(id(b)):
+                a, b = b, a
+            self._meet_heads(self.lookups.get(id(a), frozenset()), a, b)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.lookups[id(t)] = found
+                self.alive.append(t)
+
+    def _meet_heads(self, tables: frozenset[int], bias, scores) -> None:
+        if not tables or not isinstance(bias, torch.Tensor) or bias.ndim < 3 or \
+                not isinstance(scores, torch.Tensor) or scores.ndim < 3:
+            return
+        heads = [self.projections[t].heads for t in self.tags.get(id(scores), frozenset())]
+        for table in tables:
+            width = self.params[table].shape[-1]
+            if width == bias.shape[-3] and width in heads:
+                self.head_tables[table] = width
+
     def _note_heads(self, x, out, tags) -> None:
         """A column output (or one part of a fused one) viewed as [..., heads, head_dim]."""
         if not isinstance(out, torch.Tensor) or out.ndim != x.ndim + 1 or \
@@ -260,8 +298,19 @@ def _norm_module_hook(mode: _Provenance):
     return hook
 
 
-def trace_projections(module: nn.Module, args: tuple, kwargs: dict) -> dict[int, Projection]:
-    """Run ``module(*args, **kwargs)`` once and return its projections by id of the weight.
+@dataclasses.dataclass
+class Dataflow:
+    """What one traced forward says: the projections by id of their weight, and the embedding
+    tables (by id) whose columns are attention heads -> the number of heads (T5's relative
+    position bias is looked up per (query, key) pair and added to each head's scores, so it
+    splits with the heads and its gradient stays local)."""
+
+    projections: dict[int, Projection]
+    head_tables: dict[int, int]
+
+
+def trace_projections(module: nn.Module, args: tuple, kwargs: dict) -> Dataflow:
+    """Run ``module(*args, **kwargs)`` once and read its dataflow.
 
     Raises whatever the forward raises (the caller falls back to the module structure).
     """
@@ -276,7 +325,7 @@ def trace_projections(module: nn.Module, args: tuple, kwargs: dict) -> dict[int,
     finally:
         handle.remove()
         module.train(was_training)
-    return mode.projections
+    return Dataflow(mode.projections, mode.head_tables)
 
 
 def example_inputs(module: nn.Module) -> tuple[tuple, dict] | None:

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from .apply import parameter_groups
-from .dataflow import Projection, example_inputs, trace_projections
+from .dataflow import Dataflow, Projection, example_inputs, trace_projections
 from .spec import ParamDecision, ShardingPlan
 
 log = logging.getLogger("dynamo_dist")
@@ -58,7 +58,8 @@ class TensorParallelPlanner(ShardingPlanner):
 
     def build_plan(self, module: nn.Module, base: ShardingPlan | None = None, *,
                    example_inputs: Any = None) -> ShardingPlan:
-        projections, how = self._projections(module, example_inputs)
+        flow, how = self._dataflow(module, example_inputs)
+        projections = flow.projections
         head = _output_head(module)
         plan: dict[str, Any] = {}
         decisions: list[ParamDecision] = []
@@ -94,6 +95,24 @@ class TensorParallelPlanner(ShardingPlanner):
                         "added once, after the row-parallel all_reduce" if role == "row" else
                         "its projection is replicated"))
         for p, names in groups:
+            heads = flow.head_tables.get(id(p))
+            if id(p) in decided or heads is None:
+                continue
+            decided.add(id(p))
+            if self.mesh_axis_size and heads % self.mesh_axis_size:
+                decisions.append(ParamDecision(tuple(names), tuple(p.shape), self.axis,
+                                               Replicate(), "replicated",
+                                               f"its columns are {heads} attention heads, which "
+                                               f"{self.axis} size {self.mesh_axis_size} does "
+                                               f"not divide"))
+                continue
+            for n in names:
+                plan[n] = {self.axis: Shard(p.ndim - 1)}
+            decisions.append(ParamDecision(tuple(names), tuple(p.shape), self.axis,
+                                           Shard(p.ndim - 1), "head table",
+                                           "its columns are attention heads (a relative position "
+                                           "bias added to each head's scores): split with them"))
+        for p, names in groups:
             if id(p) not in decided:
                 decisions.append(ParamDecision(tuple(names), tuple(p.shape), self.axis,
                                                Replicate(), "replicated",
@@ -102,8 +121,8 @@ class TensorParallelPlanner(ShardingPlanner):
         _log_summary(type(self).__name__, self.axis, decisions, how)
         return base.merged(result) if base is not None else result
 
-    def _projections(self, module: nn.Module, inputs: Any) -> tuple[dict[int, Projection], str]:
-        """The projections with their roles, and how they were found."""
+    def _dataflow(self, module: nn.Module, inputs: Any) -> tuple[Dataflow, str]:
+        """The projections with their roles (and head tables), and how they were found."""
         if inputs is None:
             inputs = example_inputs(module)
         if inputs is not None:
@@ -114,7 +133,7 @@ class TensorParallelPlanner(ShardingPlanner):
                 log.warning("dynamo_dist: TensorParallelPlanner could not run %s on its example "
                             "inputs (%s: %s); pairing projections by module structure instead",
                             type(module).__name__, type(exc).__name__, exc)
-        return _structural_projections(module), "structure"
+        return Dataflow(_structural_projections(module), {}), "structure"
 
     def _decide(self, proj: Projection, projections: dict[int, Projection], is_head: bool,
                 how: str):

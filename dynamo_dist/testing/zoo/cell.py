@@ -186,7 +186,7 @@ def _train(zm: ZooModel, axes: dict[str, int], rt: Runtime, steps: int, row: dic
     projections = None
     if "tp" in axes:
         inputs = example_inputs(model) or zm.batch(0)
-        projections = trace_projections(model, *inputs)
+        projections = trace_projections(model, *inputs).projections
     expected = textbook(model, plan, axes, projections)
     ties = sorted(tuple(sorted(n)) for _, n in parameter_groups(model) if len(n) > 1)
     with rt.eager():
