@@ -34,9 +34,9 @@ def graphs(monkeypatch):
     seen: list[torch.fx.GraphModule] = []
     original = backend_mod._compile
 
-    def recording(gm, example_inputs, inductor):
+    def recording(gm, example_inputs, *args):
         seen.append(gm)
-        return original(gm, example_inputs, inductor)
+        return original(gm, example_inputs, *args)
 
     monkeypatch.setattr(backend_mod, "_compile", recording)
     return seen
