@@ -32,6 +32,19 @@ def enabled() -> bool:
     return os.environ.get("DYNAMO_DIST_PLAN_CACHE", "1") != "0"
 
 
+def planner_sources() -> list[str]:
+    """Every module of the planner (``inductor_passes.sharding`` and its subpackages: the op
+    rules live in ``rules/``; a rule change must miss the cache)."""
+    import inductor_passes.sharding as sharding
+
+    folder = os.path.dirname(sharding.__file__)
+    paths = []
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        paths += [os.path.join(root, f) for f in sorted(files) if f.endswith(".py")]
+    return paths
+
+
 @functools.cache
 def _planner_fingerprint() -> str:
     """Hash of the planner's sources (rules, cost model, solver, propagation) and torch's
@@ -40,10 +53,9 @@ def _planner_fingerprint() -> str:
 
     h = hashlib.sha256(f"{_VERSION} {torch.__version__}".encode())
     folder = os.path.dirname(sharding.__file__)
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as f:
-                h.update(name.encode() + f.read())
+    for path in planner_sources():
+        with open(path, "rb") as f:
+            h.update(os.path.relpath(path, folder).encode() + f.read())
     return h.hexdigest()
 
 

@@ -60,3 +60,11 @@ def test_cache_off_writes_nothing(fake_mesh, monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     _plan(fake_mesh, Shard(0))
     assert not _entries(tmp_path) and not plan_cache.enabled()
+
+
+def test_fingerprint_covers_the_rule_modules():
+    """The op rules live in ``sharding/rules/``; a rule change must be another key (the
+    fingerprint once read only the top folder, so an edited rule reused stale plans)."""
+    names = {os.path.relpath(p, os.path.dirname(os.path.dirname(p))) for p in
+             plan_cache.planner_sources()}
+    assert {"rules/conv.py", "rules/__init__.py", "sharding/solver.py"} <= names, names
