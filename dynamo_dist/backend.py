@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from inductor_passes import layout
 from inductor_passes.compile import compile_joint
 from inductor_passes.lowering import lower
 from inductor_passes.sharding.placements import Placements, fmt, nbytes
@@ -187,8 +188,16 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     plan.fallbacks.extend(msg for _, msg in boundary if msg)
     seconds["plan"] = time.perf_counter() - t
 
+    # the strides each input's local tensor arrives with (inductor_passes.layout)
+    coord, mesh_shape = mesh.get_coordinate(), tuple(mesh.shape)
+    in_strides = [layout.input_local_strides(
+        i.shape, i.stride, pl, mesh_shape, coord,
+        i.local_stride if i.kind == "dtensor" and tuple(i.placements) == tuple(pl) else None)
+        for i, pl in zip(program.primal_inputs, primal_pl)]
+
     t = time.perf_counter()
-    local_gm, ledger = lower(program.graph_module, plan, mesh, program.num_fwd_outputs)
+    local_gm, ledger = lower(program.graph_module, plan, mesh, program.num_fwd_outputs,
+                             primal_strides=in_strides)
     seconds["lower"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -212,18 +221,24 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     out_node = next(iter(program.graph_module.graph.find_nodes(op="output")))
     out_pl = list(plan.nodes[out_node.name].inputs[:program.num_fwd_outputs])
     fwd_outs = out_node.args[0][:program.num_fwd_outputs]
-    shapes, placements, it = [], [], iter(out_pl)
+    shapes, placements, strides, it = [], [], [], iter(out_pl)
     for o in fwd_outs:
         if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
-            shapes.append(tuple(o.meta["val"].shape))
-            placements.append(next(it))
+            val, pl = o.meta["val"], next(it)
+            shapes.append(tuple(val.shape))
+            placements.append(pl)
+            # lowering lays the local value out so (layout.output_strides)
+            strides.append(layout.output_strides(tuple(val.shape), val.stride(), pl, mesh_shape,
+                                                 coord)[1])
         else:
             shapes.append(None)
             placements.append(None)
+            strides.append(None)
     for i in program.local_outputs:  # to_local()/full_tensor() outputs: plain local tensors
         placements[i] = None
     step = DistStep(program.inputs, joint, mesh, primal_pl, placements, shapes,
-                    program.diff_outputs if has_bwd else [], program.mutated_inputs)
+                    program.diff_outputs if has_bwd else [], program.mutated_inputs,
+                    in_strides, strides)
     _RECORDS.append(CompileRecord(plan, ledger, seconds, program, step))
     _dump(len(_RECORDS), mesh, program, plan, joint)
     log.info("dynamo_dist: compiled graph (%s); %d collectives", 

@@ -22,6 +22,7 @@ from dynamo_dist.errors import DistCompileError, describe_mesh, user_source
 from dynamo_dist.ledger import CollectiveEntry, CollectiveLedger
 from dynamo_dist.ops import MATMUL_ND
 
+from . import layout
 from .redistribute import AxisGroup, mesh_axes, redistribute
 from .sharding.placements import Placements, fmt, is_placements, local_shape, replicate
 from .sharding.propagate import Plan, replicate_source, tangent_dependent
@@ -79,10 +80,14 @@ def _on_global_layout(target, meta: torch.Tensor, args, kwargs):
 
 
 def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
-          coordinate: Sequence[int] | None = None) -> tuple[fx.GraphModule, CollectiveLedger]:
+          coordinate: Sequence[int] | None = None,
+          primal_strides: Sequence[Sequence[int]] | None = None
+          ) -> tuple[fx.GraphModule, CollectiveLedger]:
     """Return the local joint graph of this rank (placeholders ``primals_*``, ``tangents_*``;
     outputs in the joint's order) and the ledger of the collectives it contains.
-    ``coordinate``: lower for the rank at this mesh coordinate instead of this process's."""
+    ``coordinate``: lower for the rank at this mesh coordinate instead of this process's.
+    ``primal_strides``: the LOCAL strides each primal arrives with (default: the global strides
+    for a value passed whole, else dense in the global dim order: ``layout``)."""
     axes = mesh_axes(mesh, coordinate)
     coord = [ax.coordinate for ax in axes]  # local shapes differ by rank where splits are uneven
     mesh_shape = plan.mesh_shape
@@ -95,10 +100,20 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
     fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
 
     def local_fake(node: fx.Node) -> torch.Tensor:
+        """A primal laid out as the runtime passes it (``layout.input_local_strides``); a
+        tangent contiguous (the runtime makes it so)."""
         val = node.meta["val"]
-        shape = local_shape(tuple(val.shape), plan.placement(node.name), mesh_shape, coord)
+        pls = plan.placement(node.name)
+        shape = local_shape(tuple(val.shape), pls, mesh_shape, coord)
+        if node in primals:
+            k = primals.index(node)
+            stride = layout.input_local_strides(
+                tuple(val.shape), val.stride(), pls, mesh_shape, coord,
+                primal_strides[k] if primal_strides is not None else None)
+        else:
+            stride = layout.contiguous_strides(shape)
         with fake_mode:
-            return torch.empty(shape, dtype=val.dtype, device=val.device)
+            return torch.empty_strided(shape, stride, dtype=val.dtype, device=val.device)
 
     def local_joint(primals_in, tangents_in):
         env: dict[fx.Node, Any] = dict(zip(primals, primals_in))
@@ -167,7 +182,11 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
         for k, o in enumerate(output.args[0]):
             if isinstance(o, fx.Node):
                 phase = "forward" if k < num_fwd_outputs else "backward"
-                results.append(moved(o, next(reqs), output, k, phase))
+                req = next(reqs)
+                out = moved(o, req, output, k, phase)
+                if k < num_fwd_outputs and isinstance(out, torch.Tensor) and is_placements(req):
+                    out = _laid_out(out, o.meta["val"], req, mesh_shape, coord)
+                results.append(out)
             else:
                 results.append(o)
         return results
@@ -183,6 +202,17 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
     local_gm.graph._codegen = fx.graph.CodeGen()
     local_gm.recompile()
     return local_gm, ledger
+
+
+def _laid_out(out: torch.Tensor, val: torch.Tensor, placements: Placements,
+              mesh_shape: Sequence[int], coord: Sequence[int]) -> torch.Tensor:
+    """A forward output's local value in the layout the runtime declares for it (dense, in the
+    dim order of the GLOBAL value the program traced: ``layout.output_strides``); a copy only
+    where lowering produced another layout (a gathered value is contiguous)."""
+    want, _ = layout.output_strides(tuple(val.shape), val.stride(), placements, mesh_shape, coord)
+    if layout.same_layout(tuple(out.shape), out.stride(), want):
+        return out
+    return torch.ops.prims.copy_strided.default(out, list(want))
 
 
 def _check_local(node: fx.Node, out, placements, mesh_shape: Sequence[int], mesh,
