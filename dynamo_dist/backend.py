@@ -47,6 +47,29 @@ class CompileRecord:
     program: JointProgram
     step: DistStep | None
 
+    def activation_gathers(self, mesh_axis: str) -> list:
+        """Ledger entries that all_gather on ``mesh_axis`` anything but a parameter (a DTensor
+        input) or a view of one. On a data axis this should be empty: data parallelism gathers
+        parameters (FSDP) and never the batch."""
+        gm = self.program.graph_module
+        nodes = {n.name: n for n in gm.graph.nodes}
+        params = {f"primals_{k + 1}" for k, i in enumerate(self.program.primal_inputs)
+                  if i.kind == "dtensor"}
+
+        def is_param(name: str) -> bool:
+            node = nodes.get(name)
+            while node is not None and node.name not in params and \
+                    node.op == "call_function" and str(node.target) in _VIEWS:
+                node = node.args[0]
+            return node is not None and node.name in params
+
+        return [e for e in self.ledger.entries if e.kind == "all_gather" and
+                e.mesh_axis == mesh_axis and not is_param(e.value)]
+
+
+_VIEWS = {"aten.view.default", "aten.permute.default", "aten.t.default", "aten.alias.default",
+          "aten.unsqueeze.default", "aten.reshape.default", "aten._unsafe_view.default"}
+
 
 _RECORDS: list[CompileRecord] = []
 

@@ -368,9 +368,14 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
         return (*flat, *grads)
 
     # out= overloads stay as they are (functionalisation rewrites them); their decompositions
-    # call the functional op with out= and fail
+    # call the functional op with out= and fail. Ops whose decomposition merges the dims a plan
+    # splits (max pool's backward views [N, C, ...] as [N * C, ...]) are planned whole; lowering
+    # decomposes them on local shapes, so Inductor still sees the decomposed form.
+    from inductor_passes.sharding.rules import PLANNED_WHOLE
+
     decomp = {op: fn for op, fn in _compat.select_decomp_table().items()
-              if not (hasattr(op, "_schema") and any(a.is_out for a in op._schema.arguments))}
+              if not (hasattr(op, "_schema") and any(a.is_out for a in op._schema.arguments))
+              and op not in PLANNED_WHOLE}
     with _compat.disable_local_tensor_mode(), _leaf_mutation_explained(tensor_infos):
         joint_gm = _compat.make_fx(
             joint,

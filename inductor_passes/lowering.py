@@ -26,7 +26,8 @@ from . import layout
 from .redistribute import AxisGroup, mesh_axes, redistribute
 from .sharding.placements import Placements, fmt, is_placements, local_shape, replicate
 from .sharding.propagate import Plan, replicate_source, tangent_dependent
-from .sharding.rules import GETITEM, tensor_args
+from .sharding.rules import GETITEM, OpSpec, tensor_args
+from .sharding.rules.moments import lower_split, splits_reduced_dim
 
 aten = torch.ops.aten
 # ops whose argument at this index is the GLOBAL output size
@@ -51,6 +52,11 @@ def size_arg(op) -> int | None:
         if a.name in _SIZE_ARG_NAMES:
             return i
     return None
+
+
+# multi-output ops whose argument at this index is the GLOBAL shape of one output:
+# convolution_backward's bias_sizes (the bias gradient, split with the output channels)
+_OUTPUT_SIZE_ARG = {aten.convolution_backward.default: (3, 2)}
 
 
 # ops run differently on local shards: views may need a copy (a gathered or re-sliced shard can
@@ -141,10 +147,21 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                         kind, ax.name, t.numel() * t.element_size(), consumer.name,
                         f"input {k} of {consumer.target}: {a.name} {fmt(cur)} -> {fmt(req)}",
                         phase or ("backward" if consumer in bwd else "forward"),
-                        user_source(a if consumer.op == "output" else consumer)))
+                        user_source(a if consumer.op == "output" else consumer), a.name))
                 cache[(a, req)] = redistribute(env[a], cur, req, axes, record,
                                                tuple(a.meta["val"].shape))
             return cache[(a, req)]
+
+        def in_op_reduce(node: fx.Node):
+            """Redistribute for collectives an OpSpec runs inside its op, recorded as the op's."""
+            def reduce(t: torch.Tensor, cur: Placements, req: Placements, shape) -> torch.Tensor:
+                def record(kind: str, ax: AxisGroup, x: torch.Tensor) -> None:
+                    ledger.add(CollectiveEntry(
+                        kind, ax.name, x.numel() * x.element_size(), node.name,
+                        f"{node.target} over a split dim: partial sums {fmt(cur)} -> {fmt(req)}",
+                        "backward" if node in bwd else "forward", user_source(node)))
+                return redistribute(t, cur, req, axes, record, tuple(shape))
+            return reduce
 
         for node in gm.graph.nodes:
             if node.op == "get_attr":  # a constant: every rank holds all of it (Replicate)
@@ -168,9 +185,17 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 args = list(args)
                 args[idx] = list(local_shape(tuple(node.meta["val"].shape), np.output, mesh_shape,
                                              coord))
+            idx, out_idx = _OUTPUT_SIZE_ARG.get(node.target, (None, None))
+            if idx is not None and args[idx] is not None and np.output[out_idx] is not None:
+                args = list(args)
+                args[idx] = list(local_shape(tuple(node.meta["val"][out_idx].shape),
+                                             np.output[out_idx], mesh_shape, coord))
             target = _LOCAL_IMPL.get(node.target, node.target)
+            spec = OpSpec(np.inputs, np.output, np.source)
             if node.target in _LAYOUT_READERS and np.inputs[0] == replicate(len(mesh_shape)):
                 out = _on_global_layout(target, targs[0].meta["val"], args, kwargs)
+            elif splits_reduced_dim(node, spec):  # a variance over a split dim (batch norm)
+                out = lower_split(node, local_in[targs[0]], spec, in_op_reduce(node))
             else:
                 out = target(*args, **kwargs)
             _check_local(node, out, np.output, mesh_shape, mesh, coord)

@@ -114,8 +114,9 @@ def _collective(target, args_by_rank: dict, groups: _Groups) -> dict:
         elif target is c10d.all_reduce.default:
             op = args[1]
             stacked = torch.stack(peers)
-            out[coord] = {"sum": stacked.sum(0), "avg": stacked.mean(0),
-                          "max": stacked.amax(0), "min": stacked.amin(0)}[op]
+            # only the op asked for: an integer sum (a count of labels) has no mean
+            out[coord] = {"sum": lambda: stacked.sum(0), "avg": lambda: stacked.mean(0),
+                          "max": lambda: stacked.amax(0), "min": lambda: stacked.amin(0)}[op]()
         elif target is c10d.reduce_scatter_tensor.default:
             total = torch.stack(peers).sum(0) if args[1] == "sum" else torch.stack(peers).mean(0)
             out[coord] = total.chunk(len(peers), dim=0)[k].contiguous()

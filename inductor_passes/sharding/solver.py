@@ -14,7 +14,8 @@ Variables and constraints, each built by the function named:
   a cotangent takes its forward output's placement with Partial reduced (JAX's rule).
 
 Objective (``_objective``): sum of redistribute cost * y (cost.redistribute_cost, parameters'
-gathers priced with the memory factor) + matmul compute per rank (cost.compute_cost) + the cost
+gathers priced with the memory factor) + what each OpSpec costs itself (rules.node_cost: matmul
+and convolution compute per rank, collectives inside an op) + the cost
 of bringing each graph output to its required placement (forward outputs non-Partial,
 gradients in their parameter's placement). Solved with HiGHS through scipy.optimize.milp.
 """
@@ -29,9 +30,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch.fx as fx
 
-from .cost import MATMUL_OPS, compute_cost
 from .placements import Placements, is_placements, nonpartial, replicate
-from .rules import GETITEM, OpSpec, op_strategy, replicated_spec, tensor_args
+from .rules import GETITEM, OpSpec, has_node_cost, node_cost, op_strategy, replicated_spec, tensor_args
 
 log = logging.getLogger("dynamo_dist.sharding")
 
@@ -271,12 +271,9 @@ class ShardingILP:
         cost.extend(extra_cost)
         # _objective: compute, and outputs to their required placements
         for n in nodes:
-            if str(n.target) in MATMUL_OPS:
-                k = tensor_args(n)[0].meta["val"].shape[-1]
+            if n.op == "call_function" and has_node_cost(n):
                 for s, spec in enumerate(self.options[n]):
-                    if is_placements(spec.output):
-                        cost[xi[(n, s)]] += compute_cost(str(n.target), tuple(n.meta["val"].shape),
-                                                         k, spec.output, self.mesh_shape)
+                    cost[xi[(n, s)]] += node_cost(n, spec, self.mesh_shape)
         for i, o in enumerate(self.outs):
             if not isinstance(o, fx.Node) or o not in self.options:
                 continue

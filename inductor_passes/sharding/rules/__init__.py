@@ -11,9 +11,10 @@ OpSpec records which one produced it (``source``):
 2. DTensor's strategy registry, through ``rules.dtensor`` (views, reductions, embedding, ...);
 3. none: the op runs replicated (every input all-gathered), which propagation logs with its cost.
 
-Each family lives in its own module (``pointwise``, ``matmul``, ``attention``, ``indexing``,
-``manual``, ``dtensor``); this module dispatches a node to its family and applies the filters
-every OpSpec must pass (``op_strategy``).
+Each family lives in its own module (``pointwise``, ``matmul``, ``attention``, ``conv``,
+``pool``, ``moments``, ``indexing``, ``manual``, ``dtensor``); this module dispatches a node to
+its family and applies the filters every OpSpec must pass (``op_strategy``), and prices what an
+OpSpec costs beyond its input redistributes (``node_cost``: compute, collectives inside the op).
 """
 
 from __future__ import annotations
@@ -27,19 +28,23 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 from dynamo_dist import _compat  # noqa: F401  (its Inductor imports register the prims ops)
 from dynamo_dist.ops import MATMUL_ND
 
+from ..cost import BYTES_PER_FLOP, MATMUL_OPS, compute_cost
 from ..placements import Placements, is_placements, replicate, shard_range
 from .attention import ATTENTION, attention_strategy
 from .base import (GETITEM, AxisOption, OpSpec, expand_multi_output, expand_to_mesh,
                    replicated_spec, tensor_args, val_shape)
+from .conv import CONV, conv_flops, conv_strategy
 from .dtensor import dtensor_strategy
 from .indexing import index_put_accumulate_strategy, slice_scatter_strategy
 from .manual import manual_strategy
 from .matmul import EINSUM, einsum_strategy
+from .moments import MOMENTS, in_op_cost, moments_strategy
+from .pool import PLANNED_WHOLE, POOL, pool_strategy
 from .pointwise import REVERSE, is_pointwise, is_random, pointwise_strategy, reverse_strategy
 
 __all__ = ["GETITEM", "AxisOption", "OpSpec", "expand_multi_output", "expand_to_mesh",
-           "is_pointwise", "is_random", "op_strategy", "replicated_spec", "tensor_args",
-           "val_shape"]
+           "PLANNED_WHOLE", "has_node_cost", "is_pointwise", "is_random", "node_cost", "op_strategy",
+           "replicated_spec", "tensor_args", "val_shape"]
 
 aten = torch.ops.aten
 
@@ -68,7 +73,8 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
 
 
 # rules whose kernels compute right on an empty local piece (0 rows of a matmul, of a sum)
-_EMPTY_OK = ("pointwise", "einsum:", "reverse", "slice_scatter", "index_put_accumulate")
+_EMPTY_OK = ("pointwise", "einsum:", "reverse", "slice_scatter", "index_put_accumulate",
+             "moments")
 
 
 def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> bool:
@@ -120,14 +126,25 @@ def _one_placement_per_value(node: fx.Node, spec: OpSpec) -> bool:
     return True
 
 
+# integer sums whose Partial(sum) result is exact (a count of valid labels over a split batch)
+_INT_SUMS = {aten.sum.default, aten.sum.dim_IntList}
+
+
 def _partial_only_on_floats(node: fx.Node, spec: OpSpec) -> bool:
-    """A pending sum of integers or booleans (indices, masks) is never what a program means."""
-    vals = [(a.meta["val"], p) for a, p in zip(tensor_args(node), spec.inputs)]
+    """A pending sum of integers or booleans (indices, masks) is never what a program means as
+    an op's INPUT. One output is allowed: an integer ``sum`` over a split dim (the count of
+    valid labels cross_entropy divides by, under data parallelism) is an exact Partial(sum);
+    its all_reduce (8 bytes) replaces gathering the mask it counts."""
+    for a, p in zip(tensor_args(node), spec.inputs):
+        if not a.meta["val"].is_floating_point() and any(isinstance(x, Partial) for x in p):
+            return False
     out = node.meta.get("val")
-    if isinstance(out, torch.Tensor) and is_placements(spec.output):
-        vals.append((out, spec.output))
-    return all(v.is_floating_point() or not any(isinstance(p, Partial) for p in pls)
-               for v, pls in vals)
+    if not isinstance(out, torch.Tensor) or not is_placements(spec.output) or \
+            out.is_floating_point() or not any(isinstance(p, Partial) for p in spec.output):
+        return True
+    return node.target in _INT_SUMS and out.dtype not in (torch.bool, torch.uint8) and \
+        not out.is_complex() and all(p.reduce_op == "sum" for p in spec.output
+                                     if isinstance(p, Partial))
 
 
 def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]:
@@ -163,6 +180,12 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
         return slice_scatter_strategy(node, mesh_shape)
     if op in ATTENTION:
         return attention_strategy(node, mesh_shape)
+    if op in CONV:
+        return conv_strategy(node, mesh_shape)
+    if op in POOL:
+        return pool_strategy(node, mesh_shape)
+    if op in MOMENTS:
+        return moments_strategy(node, mesh_shape)
     if op in REVERSE:
         return reverse_strategy(node, mesh_shape)
     if is_pointwise(op):
@@ -170,3 +193,29 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
     return dtensor_strategy(node, current, mesh, mesh_shape)
 
 
+
+
+def has_node_cost(node: fx.Node) -> bool:
+    """Whether ``node_cost`` can be nonzero for some OpSpec of ``node`` (the solver asks once
+    per node, not per OpSpec)."""
+    return node.target in CONV or node.target in MOMENTS or str(node.target) in MATMUL_OPS
+
+
+def node_cost(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> float:
+    """What running ``node`` under ``spec`` costs one rank besides its input redistributes
+    (bytes-equivalent, ``cost``'s unit): matmul and convolution flops, split over the mesh axes
+    the OpSpec splits the work on, and collectives an OpSpec runs inside the op (a variance over a
+    split dim: ``moments.in_op_cost``)."""
+    op = str(node.target)
+    if op in MATMUL_OPS and is_placements(spec.output):
+        k = tensor_args(node)[0].meta["val"].shape[-1]
+        return compute_cost(op, tuple(node.meta["val"].shape), k, spec.output, mesh_shape)
+    if node.target in CONV:
+        degree = 1
+        for axis, n in enumerate(mesh_shape):  # work is split where any operand is
+            if any(type(p[axis]) is Shard or isinstance(p[axis], Partial) for p in spec.inputs):
+                degree *= n
+        return conv_flops(node) / degree * BYTES_PER_FLOP
+    if node.target in MOMENTS:
+        return in_op_cost(node, spec, mesh_shape)
+    return 0.0
