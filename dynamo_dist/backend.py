@@ -33,6 +33,7 @@ from .divergence import check_same_schedule
 from .errors import DistCompileError, user_source
 from .ledger import CollectiveLedger
 from .runtime import DistStep
+from .simulate import simulated_joint
 
 log = logging.getLogger("dynamo_dist")
 
@@ -87,16 +88,20 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
     """torch.compile backend entry point (registered as ``dist``).
 
     options: ``inductor`` (bool, default True): compile the local graphs with Inductor; False runs
-    them as FX graphs (for debugging).
+    them as FX graphs (for debugging). ``simulate`` (bool, default False): under
+    ``LocalTensorMode(N)`` on a ``fake`` process group, lower the plan for every rank and run the
+    N local graphs side by side on the LocalTensor shards (``dynamo_dist.simulate``; FX, no
+    Inductor): a training loop on N simulated ranks in one process.
     """
     opts = dict(options or {})
     inductor = bool(opts.pop("inductor", True))
+    simulate = bool(opts.pop("simulate", False))
     # compiled-autograd backward graphs (and forwards carrying module backward hooks) are local
     # code already: compiled as they are, user collectives kept
     compiled = compiled_autograd.compile_local(gm, example_inputs, inductor)
     if compiled is None:
         with _compat.disable_local_tensor_mode(), compiled_autograd.disabled():
-            compiled = _compile(gm, list(example_inputs), inductor)
+            compiled = _compile(gm, list(example_inputs), inductor, simulate)
     if not isinstance(compiled, DistStep):  # planned programs were compared before Inductor
         check_same_schedule([gm], f"graph of {_code_name(gm)}")
     return compiled
@@ -161,7 +166,7 @@ def _input_placements(info, mesh) -> tuple[Placements, str | None]:
     return pls, msg
 
 
-def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
+def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate: bool = False):
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     program = trace_joint(gm, example_inputs)
@@ -211,6 +216,15 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     plan.fallbacks.extend(msg for _, msg in boundary if msg)
     seconds["plan"] = time.perf_counter() - t
 
+    has_bwd = torch.is_grad_enabled() and bool(program.diff_outputs) and \
+        any(i.requires_grad for i in program.primal_inputs)
+    if simulate:  # FX graphs on LocalTensors: no stride checks, inputs pass as they are
+        t = time.perf_counter()
+        joint, ledger = simulated_joint(program.graph_module, plan, mesh,
+                                        program.num_fwd_outputs, has_bwd)
+        seconds["lower"] = time.perf_counter() - t
+        return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd)
+
     # the strides each input's local tensor arrives with (inductor_passes.layout)
     coord, mesh_shape = mesh.get_coordinate(), tuple(mesh.shape)
     in_strides = [layout.input_local_strides(
@@ -224,8 +238,6 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
     seconds["lower"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    has_bwd = torch.is_grad_enabled() and bool(program.diff_outputs) and \
-        any(i.requires_grad for i in program.primal_inputs)
     base = _dump_base(len(_RECORDS) + 1)
     if base:  # before Inductor, so a graph that fails to compile can be read
         with open(base + "_local_joint.py", "w") as f:
@@ -239,7 +251,17 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
 
     joint = compile_joint(local_gm, program.num_fwd_outputs, has_bwd, inductor, check)
     seconds["inductor"] = time.perf_counter() - t - seconds.get("schedule check", 0.0)
+    return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd,
+                   in_strides)
+
+
+def _finish(gm, program: JointProgram, plan: Plan, mesh, primal_pl, joint,
+            ledger: CollectiveLedger, seconds: dict[str, float], has_bwd: bool,
+            in_strides: list | None = None) -> DistStep:
+    """The runtime step around compiled (or simulated) local programs, recorded.
+    ``in_strides``: the LOCAL strides the compiled graphs expect of each input (None: any)."""
     ledger.buckets, ledger.issued_by_kind = joint.buckets, joint.issued
+    coord, mesh_shape = mesh.get_coordinate(), tuple(mesh.shape)
 
     out_node = next(iter(program.graph_module.graph.find_nodes(op="output")))
     out_pl = list(plan.nodes[out_node.name].inputs[:program.num_fwd_outputs])
@@ -261,7 +283,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool):
         placements[i] = None
     step = DistStep(program.inputs, joint, mesh, primal_pl, placements, shapes,
                     program.diff_outputs if has_bwd else [], program.mutated_inputs,
-                    in_strides, strides)
+                    in_strides or (), strides)
     _RECORDS.append(CompileRecord(plan, ledger, seconds, program, step))
     _dump(len(_RECORDS), mesh, program, plan, joint)
     log.info("dynamo_dist: compiled graph (%s); %d collectives", 

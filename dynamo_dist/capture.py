@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -25,7 +26,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from . import _compat
 from .errors import DistCompileError, user_source
-from .ops import matmul_nd, wants_matmul_nd
+from .ops import attention_math, matmul_nd, wants_matmul_nd
 
 log = logging.getLogger("dynamo_dist")
 
@@ -174,6 +175,9 @@ class _GlobalInterpreter(fx.Interpreter):
             return self._from_local(*args, **kwargs)
         if target is torch.matmul and not kwargs and wants_matmul_nd(*args):
             return self._local_aware(lambda a, k: matmul_nd(*a), args, kwargs)
+        if target is torch.nn.functional.scaled_dot_product_attention and \
+                _compat.sdpa_takes_math_path(*args, **kwargs):
+            return self._local_aware(lambda a, k: attention_math(*a, **k), args, kwargs)
         return self._local_aware(lambda a, k: super(_GlobalInterpreter, self).call_function(
             target, a, k), args, kwargs)
 
@@ -355,16 +359,23 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
     grad_targets = [k for k, info in enumerate(tensor_infos) if info.requires_grad]
 
     def joint(primals, tangents):
-        with torch.enable_grad():
-            out = run_forward(*primals)
-        flat, _ = pytree.tree_flatten(out)
-        diff = [flat[i] for i in diff_outputs]
-        grads: list[Any] = [None] * len(primals)
-        if diff and grad_targets:
-            got = torch.autograd.grad(diff, [primals[k] for k in grad_targets], tangents,
-                                      allow_unused=True)
-            for k, g in zip(grad_targets, got):
-                grads[k] = g
+        # backward nodes take the stack trace of the forward node they differentiate, as in
+        # AOTAutograd: anomaly mode records each forward node's trace on its grad_fn, and hooks
+        # restore it while the backward is traced (ledger lines and errors name user code)
+        with torch.fx.traceback.preserve_node_meta(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Anomaly Detection has been enabled")
+            with torch.autograd.detect_anomaly(check_nan=False):
+                with torch.enable_grad():
+                    out = run_forward(*primals)
+                flat, _ = pytree.tree_flatten(out)
+                diff = [flat[i] for i in diff_outputs]
+                grads: list[Any] = [None] * len(primals)
+                if diff and grad_targets:
+                    _compat.preserve_backward_stack_traces([t.grad_fn for t in diff])
+                    got = torch.autograd.grad(diff, [primals[k] for k in grad_targets],
+                                              tangents, allow_unused=True)
+                    for k, g in zip(grad_targets, got):
+                        grads[k] = g
         return (*flat, *grads)
 
     # out= overloads stay as they are (functionalisation rewrites them); their decompositions
@@ -486,13 +497,21 @@ def _functionalize(joint_gm: fx.GraphModule, primals, tangents) -> fx.GraphModul
     INPUTS keeps a copy_ into that input, which ``_check_functional`` then reports. Views stay
     views (our rules know them; ``*_copy`` ops they would not)."""
     _pair_inplace_by_name(joint_gm)
-    functional = torch.func.functionalize(joint_gm, remove="mutations")
+
+    def run(primals, tangents):
+        # an Interpreter (not the generated code) under preserve_node_meta: each new node
+        # takes the stack trace of the node it comes from, so ledger lines and errors keep
+        # naming the user's source line rather than the generated forward
+        return fx.Interpreter(joint_gm).run(*pytree.tree_leaves((primals, tangents)))
+
+    functional = torch.func.functionalize(run, remove="mutations")
 
     def joint(primals, tangents):  # argument names give the AOT placeholder names
         return functional(primals, tangents)
 
-    return _compat.make_fx(joint, tracing_mode="fake", record_stack_traces=True)(
-        primals, tangents)
+    with torch.fx.traceback.preserve_node_meta():
+        return _compat.make_fx(joint, tracing_mode="fake", record_stack_traces=True)(
+            primals, tangents)
 
 
 def _pair_inplace_by_name(gm: fx.GraphModule) -> None:

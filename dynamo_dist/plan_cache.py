@@ -32,19 +32,6 @@ def enabled() -> bool:
     return os.environ.get("DYNAMO_DIST_PLAN_CACHE", "1") != "0"
 
 
-def planner_sources() -> list[str]:
-    """Every module of the planner (``inductor_passes.sharding`` and its subpackages: the op
-    rules live in ``rules/``; a rule change must miss the cache)."""
-    import inductor_passes.sharding as sharding
-
-    folder = os.path.dirname(sharding.__file__)
-    paths = []
-    for root, dirs, files in os.walk(folder):
-        dirs.sort()
-        paths += [os.path.join(root, f) for f in sorted(files) if f.endswith(".py")]
-    return paths
-
-
 @functools.cache
 def _planner_fingerprint() -> str:
     """Hash of the planner's sources (rules, cost model, solver, propagation) and torch's
@@ -53,9 +40,15 @@ def _planner_fingerprint() -> str:
 
     h = hashlib.sha256(f"{_VERSION} {torch.__version__}".encode())
     folder = os.path.dirname(sharding.__file__)
-    for path in planner_sources():
-        with open(path, "rb") as f:
-            h.update(os.path.relpath(path, folder).encode() + f.read())
+    # every subpackage too: the op rules live in sharding/rules/ (a flat listing missed them,
+    # and an edited rule was answered with the stale cached plan)
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                with open(path, "rb") as f:
+                    h.update(os.path.relpath(path, folder).encode() + f.read())
     return h.hexdigest()
 
 

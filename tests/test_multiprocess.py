@@ -9,11 +9,14 @@ from conftest import torchrun
 
 @pytest.mark.parametrize("model,inductor,extra", [("mlp", "1", ()),
                                                   ("mlp", "1", ("--hidden", "127")),
-                                                  ("llama", "0", ("--local-logits",))])
+                                                  ("llama", "0", ("--local-logits",)),
+                                                  ("llama", "0", ("--use-cache",))])
 def test_two_rank_tp_parity(model, inductor, extra):
     """The Llama run also checks output_plan + return_local_tensor: logits come back as this
     rank's vocabulary shard, a plain tensor equal to that slice of one process's logits. Hidden
-    size 127 splits the MLP's weights unevenly (64 and 63 rows), compiled with Inductor."""
+    size 127 splits the MLP's weights unevenly (64 and 63 rows), compiled with Inductor.
+    ``--use-cache``: transformers' default config, grouped-query attention through the fused
+    kernel (enable_gqa) and the DynamicCache's key/value states returned as DTensors."""
     out = torchrun("train_parity.py", 2, "--model", model, "--mesh", "tp=2",
                    "--inductor", inductor, *extra).stdout
     m = re.search(r"max relative loss difference ([0-9.e+-]+)", out)
@@ -70,3 +73,14 @@ def test_rank_divergent_collectives_fail_fast_on_every_rank():
     named (the launcher's timeout would catch a hang)."""
     out = torchrun("rank_divergence.py", 2, timeout=240).stdout
     assert out.count("DIVERGENCE CAUGHT rank") == 2 and "MISSING RANK CAUGHT" in out, out
+
+
+def test_two_rank_mixtral_moe_parity():
+    """Mixtral-like MoE (transformers' default grouped_mm experts path: sort, index, histc,
+    cumsum, its grouped GEMM op), tp=2 with a hand plan, Inductor, 3 AdamW steps: loss,
+    first-step gradients and parameters equal one process's, nothing replicated by fallback."""
+    out = torchrun("moe_parity.py", 2, "--inductor", "1").stdout
+    m = re.search(r"MOE PARITY loss ([0-9.e+-]+) grad ([0-9.e+-]+) param ([0-9.e+-]+) "
+                  r"fallbacks (\d+)", out)
+    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-4, out
+    assert float(m.group(3)) <= 1e-3 and m.group(4) == "0", out

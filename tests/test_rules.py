@@ -126,3 +126,53 @@ def test_a_value_used_twice_holds_one_placement():
     assert sq.args[0] is sq.args[1]
     specs = _specs(sq)
     assert specs and all(ins[0] == ins[1] for ins, _ in specs)
+
+
+def _attention_node(q, k, v, mask=None, **kw):
+    fwd_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    shapes = [q, k, v] + ([mask] if mask else [])
+
+    def attn(q, k, v, *m):
+        return fwd_op(q, k, v, attn_mask=m[0] if m else None, **kw)[0]
+
+    return _node(attn, *shapes, target=fwd_op)
+
+
+def test_attention_gqa_splits_heads_only_where_key_value_heads_line_up():
+    """Hq = 8, Hkv = 2: a head split needs the mesh axis to divide Hkv (query head h reads
+    key/value head h // 4); the query is never split while key/value stay whole."""
+    node = _attention_node((4, 8, 4, 16), (4, 2, 4, 16), (4, 2, 4, 16))
+    S0, S1, R = Shard(0), Shard(1), Replicate()
+    two = _specs(node, (2,))
+    assert (((S1,),) * 3, ((S1,), (S1,))) in two
+    assert not any(ins[0] == (S1,) and ins[1] == (R,) for ins, _ in two)
+    four = _specs(node, (4,))
+    assert not any(S1 in pl for ins, _ in four for pl in ins)
+    assert (((S0,),) * 3, ((S0,), (S0,))) in _specs(node, (2,))  # batch: always
+    # 2-D mesh: heads on the axis of size 2 only (nested splits are not planned)
+    mixed = _specs(node, (4, 2))
+    assert (((S0, S1),) * 3, ((S0, S1), (S0, S1))) in mixed
+    assert not any(pl[0] == S1 for ins, _ in mixed for pl in ins)
+
+
+def test_attention_arguments_by_keyword_keep_their_roles():
+    """q, k, v passed by keyword: the rule reads roles from the schema, not positions."""
+    fwd_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    node = _node(lambda q, k, v: fwd_op(query=q, key=k, value=v, is_causal=True)[0],
+                 (2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16), target=fwd_op)
+    S1 = (Shard(1),)
+    assert ((S1, S1, S1), (S1, S1)) in _specs(node)
+
+
+def test_attention_mask_placements_follow_its_broadcast():
+    """A 4-D mask is split on a dim only where it has the query's size there (the kernel reads
+    a size-1 dim as broadcast); a 2-D mask [L, S] is never split."""
+    S0, S1, R = (Shard(0),), (Shard(1),), (Replicate(),)
+    qkv = [(4, 4, 8, 16)] * 3
+    for mask, batch_mask, head_mask in [((4, 4, 8, 8), S0, S1), ((1, 4, 8, 8), R, S1),
+                                        ((4, 1, 1, 8), S0, R), ((8, 8), R, R)]:
+        specs = _specs(_attention_node(*qkv, mask=mask))
+        assert ((S0, S0, S0, batch_mask), (S0, S0)) in specs, mask
+        assert ((S1, S1, S1, head_mask), (S1, S1)) in specs, mask
+        assert all(ins[3] == want for ins, outs in specs if outs[0] in (S0, S1)
+                   for want in [batch_mask if outs[0] == S0 else head_mask]), mask

@@ -65,6 +65,9 @@ def main() -> int:
                     help="output_plan: logits split over the vocabulary on tp, returned local")
     ap.add_argument("--ddp", action="store_true",
                     help="dp replicates parameters (DDP) instead of sharding them (FSDP)")
+    ap.add_argument("--use-cache", action="store_true",
+                    help="Llama with transformers' default use_cache=True: the forward also "
+                         "returns the DynamicCache's key/value states (DTensors), checked too")
     args = ap.parse_args()
     if args.model == "cnn":
         return train_cnn(args)
@@ -78,6 +81,9 @@ def main() -> int:
     else:
         size = LlamaSize(layers=2, seq=32)
         ref = build_llama(size, attn=args.attn)
+        # with the cache on and no mask, transformers calls SDPA with enable_gqa=True: the fused
+        # kernel then sees query heads (8) and key/value heads (4) of different counts
+        ref.config.use_cache = args.use_cache
     model = copy.deepcopy(ref)
     plan = TensorParallelPlanner().build_plan(model) if "tp" in axes else None
     if "dp" in axes:
@@ -109,6 +115,13 @@ def main() -> int:
                 torch.testing.assert_close(out.logits, want, rtol=1e-4, atol=1e-5)
             else:
                 assert isinstance(out.logits, DTensor)
+            if args.use_cache:  # key/value states [batch, kv_heads, seq, head_dim], global
+                for layer, ref_layer in zip(out.past_key_values.layers,
+                                            ref_out.past_key_values.layers, strict=True):
+                    for got, want in ((layer.keys, ref_layer.keys),
+                                      (layer.values, ref_layer.values)):
+                        assert isinstance(got, DTensor), type(got)
+                        torch.testing.assert_close(full(got), want, rtol=1e-4, atol=1e-5)
         loss.backward()
         recorder.__exit__(None, None, None)
         if args.check_issued and last:

@@ -6,15 +6,16 @@ OpSpec records which one produced it (``source``):
 
 1. native rules written here per op family, for ONE mesh axis and expanded to N-D meshes by
    ``expand_to_mesh``: pointwise ops (from ``torch.Tag.pointwise``, with Partial kept only
-   through ops that are linear in that argument), matmuls as einsum strings, factory ops,
-   sharding constraints;
+   through ops that are linear in that argument), matmuls as einsum strings, indexing,
+   scatter and grouped GEMMs, factory ops, sharding constraints;
 2. DTensor's strategy registry, through ``rules.dtensor`` (views, reductions, embedding, ...);
 3. none: the op runs replicated (every input all-gathered), which propagation logs with its cost.
 
 Each family lives in its own module (``pointwise``, ``matmul``, ``attention``, ``conv``,
-``pool``, ``moments``, ``indexing``, ``manual``, ``dtensor``); this module dispatches a node to
-its family and applies the filters every OpSpec must pass (``op_strategy``), and prices what an
-OpSpec costs beyond its input redistributes (``node_cost``: compute, collectives inside the op).
+``pool``, ``moments``, ``indexing``, ``grouped_mm``, ``manual``, ``dtensor``); this module
+dispatches a node to its family, applies the filters every OpSpec must pass (``op_strategy``),
+and prices what an OpSpec costs beyond its input redistributes (``node_cost``: compute,
+collectives inside the op).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from .base import (GETITEM, AxisOption, OpSpec, expand_multi_output, expand_to_m
                    replicated_spec, tensor_args, val_shape)
 from .conv import CONV, conv_flops, conv_strategy
 from .dtensor import dtensor_strategy
-from .indexing import index_put_accumulate_strategy, slice_scatter_strategy
+from .grouped_mm import GROUPED_MM, grouped_mm_strategy
+from .indexing import INDEXING, slice_scatter_strategy
 from .manual import manual_strategy
 from .matmul import EINSUM, einsum_strategy
 from .moments import MOMENTS, in_op_cost, moments_strategy
@@ -57,7 +59,7 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
     enumerate). ``constraint_of`` returns the placements a sharding-constraint node pins.
     """
     def kept(specs):
-        return [s for s in specs if _partial_only_on_floats(node, s) and
+        return [s for s in specs if _partial_only_on_numbers(node, s) and
                 _one_placement_per_value(node, s) and _uneven_aligned(node, s, mesh_shape)]
 
     specs = kept(_op_strategy(node, current, mesh, mesh_shape, constraint_of))
@@ -73,8 +75,8 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
 
 
 # rules whose kernels compute right on an empty local piece (0 rows of a matmul, of a sum)
-_EMPTY_OK = ("pointwise", "einsum:", "reverse", "slice_scatter", "index_put_accumulate",
-             "moments")
+_EMPTY_OK = ("pointwise", "einsum:", "reverse", "slice_scatter", "index_put", "scatter",
+             "gather", "histc", "cumsum", "grouped_mm_fallback", "masked_index", "moments")
 
 
 def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> bool:
@@ -126,25 +128,30 @@ def _one_placement_per_value(node: fx.Node, spec: OpSpec) -> bool:
     return True
 
 
-# integer sums whose Partial(sum) result is exact (a count of valid labels over a split batch)
-_INT_SUMS = {aten.sum.default, aten.sum.dim_IntList}
-
-
-def _partial_only_on_floats(node: fx.Node, spec: OpSpec) -> bool:
-    """A pending sum of integers or booleans (indices, masks) is never what a program means as
-    an op's INPUT. One output is allowed: an integer ``sum`` over a split dim (the count of
-    valid labels cross_entropy divides by, under data parallelism) is an exact Partial(sum);
-    its all_reduce (8 bytes) replaces gathering the mask it counts."""
-    for a, p in zip(tensor_args(node), spec.inputs):
-        if not a.meta["val"].is_floating_point() and any(isinstance(x, Partial) for x in p):
-            return False
+def _partial_only_on_numbers(node: fx.Node, spec: OpSpec) -> bool:
+    """No pending reduction of booleans (masks); integers only as a pending sum, which is exact
+    (a count of valid labels over a split batch: one all_reduce of a scalar, not a gather of the
+    mask); an average or max of integers is not what integer code means."""
+    vals = [(a.meta["val"], p) for a, p in zip(tensor_args(node), spec.inputs)]
     out = node.meta.get("val")
-    if not isinstance(out, torch.Tensor) or not is_placements(spec.output) or \
-            out.is_floating_point() or not any(isinstance(p, Partial) for p in spec.output):
-        return True
-    return node.target in _INT_SUMS and out.dtype not in (torch.bool, torch.uint8) and \
-        not out.is_complex() and all(p.reduce_op == "sum" for p in spec.output
-                                     if isinstance(p, Partial))
+    if isinstance(out, torch.Tensor) and is_placements(spec.output):
+        vals.append((out, spec.output))
+    for v, pls in vals:
+        if v.is_floating_point() or v.is_complex():
+            continue
+        partial = [p for p in pls if isinstance(p, Partial)]
+        if partial and (v.dtype is torch.bool or any(p.reduce_op != "sum" for p in partial)):
+            return False
+    return True
+
+
+def _op_name(op) -> str:
+    """'namespace::name.overload' of an OpOverload (custom ops of other libraries, such as
+    transformers' grouped_mm_fallback, are matched by name: importing them is not ours)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return ""
+    return f"{schema.name}.{schema.overload_name or 'default'}"
 
 
 def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]:
@@ -174,10 +181,12 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
     if op is MATMUL_ND:
         batch = "abcdefgh"[: val_shape(node).__len__() - 2]
         return einsum_strategy(node, f"{batch}mk,{batch}kn->{batch}mn", mesh_shape)
-    if op is aten._unsafe_masked_index_put_accumulate.default:
-        return index_put_accumulate_strategy(node, mesh_shape)
     if op is aten.slice_scatter.default:
         return slice_scatter_strategy(node, mesh_shape)
+    if op in INDEXING:
+        return INDEXING[op](node, mesh_shape)
+    if _op_name(op) in GROUPED_MM:
+        return grouped_mm_strategy(node, mesh_shape)
     if op in ATTENTION:
         return attention_strategy(node, mesh_shape)
     if op in CONV:

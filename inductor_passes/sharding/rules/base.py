@@ -73,8 +73,15 @@ def expand_multi_output(options, mesh_shape: Sequence[int], in_shapes, out_shape
     (per tensor arg, per output) on one axis; OpSpec.output is a tuple of Placements. An output
     whose shape is None (an output the op does not compute: convolution_backward's masked
     gradients) gets None."""
+    return expand_per_axis([options] * len(mesh_shape), mesh_shape, in_shapes, out_shapes, source)
+
+
+def expand_per_axis(per_axis, mesh_shape: Sequence[int], in_shapes, out_shapes,
+                    source: str) -> list[OpSpec]:
+    """``expand_multi_output`` with its own option list per mesh axis (options whose legality
+    depends on the axis's size, as a head split in grouped-query attention)."""
     specs = []
-    for combo in itertools.product(options, repeat=len(mesh_shape)):
+    for combo in itertools.product(*per_axis):
         ins = tuple(tuple(opt[0][i] for opt in combo) for i in range(len(in_shapes)))
         outs = tuple(tuple(opt[1][j] for opt in combo) if out_shapes[j] is not None else None
                      for j in range(len(out_shapes)))

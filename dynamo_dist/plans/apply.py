@@ -1,0 +1,219 @@
+"""``shard_module``: apply a ShardingPlan to a module (parameters become DTensors, inputs and
+outputs get sharding constraints)."""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+import inspect
+import logging
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DeviceMesh, DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, Replicate
+
+from .. import _compat
+from ..errors import DistCompileError, describe_mesh
+from .spec import ShardingPlan, to_placements, validate_placements
+
+log = logging.getLogger("dynamo_dist")
+
+
+def parameter_groups(module: nn.Module) -> list[tuple[nn.Parameter, list[str]]]:
+    """Every distinct parameter of ``module`` with all the names it has (a tied parameter, such
+    as GPT-2's ``transformer.wte.weight`` = ``lm_head.weight``, has several), in module order."""
+    groups: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), (p, []))[1].append(name)
+    return list(groups.values())
+
+
+def _spec_for(plan: ShardingPlan, names: Sequence[str], mesh: DeviceMesh, ndim: int
+              ) -> tuple[Placement, ...] | None:
+    """The placements the plan gives a parameter known by ``names``: the specs its names match,
+    merged mesh axis by mesh axis. Raises DistCompileError when two names of one (tied)
+    parameter ask for different placements on one mesh axis."""
+    merged: list[Placement | None] = [None] * mesh.ndim
+    said: list[str | None] = [None] * mesh.ndim
+    for name in names:
+        spec = plan.placement_for(name)
+        if spec is None:
+            continue
+        pls = to_placements(spec, mesh, ndim, f"parameter '{name}'")
+        for axis in _explicit_axes(spec, mesh):
+            if merged[axis] is not None and merged[axis] != pls[axis]:
+                axis_name = (mesh.mesh_dim_names or [str(axis)] * mesh.ndim)[axis]
+                raise DistCompileError(
+                    f"tied parameter {' = '.join(names)}: the plan gives '{said[axis]}' "
+                    f"{merged[axis]} and '{name}' {pls[axis]} on mesh axis '{axis_name}'; a tied "
+                    f"parameter is one tensor with one placement", mesh=describe_mesh(mesh),
+                    fix=f"give '{said[axis]}' and '{name}' the same placement (or name only one "
+                        f"of them in the plan)")
+            merged[axis], said[axis] = pls[axis], name
+    if all(p is None for p in merged):
+        return None
+    return tuple(p if p is not None else Replicate() for p in merged)
+
+
+def _explicit_axes(spec: Any, mesh: DeviceMesh) -> list[int]:
+    """The mesh axes a spec says something about: a dict names its axes; a sequence or a
+    partition spec says something about every axis."""
+    if isinstance(spec, Mapping):
+        names = list(mesh.mesh_dim_names or ())
+        return [names.index(a) if isinstance(a, str) and a in names else int(a) for a in spec]
+    return list(range(mesh.ndim))
+
+
+def check_plan_keys(model: nn.Module, plan: ShardingPlan) -> None:
+    """Every parameter pattern of ``plan`` must match a parameter of ``model`` (a typo would
+    otherwise leave the parameter replicated without a word). Raises DistCompileError naming
+    the unmatched patterns and the nearest parameter names."""
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    unmatched = [k for k in plan.plan if not any(fnmatch.fnmatchcase(n, k) for n in names)]
+    if not unmatched:
+        return
+    hints = []
+    for k in unmatched:
+        close = difflib.get_close_matches(k, names, n=3, cutoff=0.5)
+        hints.append(f"'{k}' (nearest: {', '.join(close) if close else 'none'})")
+    raise DistCompileError(
+        f"plan entries match no parameter of {type(model).__name__}: {'; '.join(hints)}",
+        fix="use the names model.named_parameters() gives (fnmatch patterns: '*.q_proj.weight')")
+
+
+def check_input_keys(model: nn.Module, plan: ShardingPlan) -> None:
+    """Every named input_plan / output key must be an argument of ``model.forward``; positions
+    and ``"*"`` are always accepted. Raises DistCompileError naming the nearest arguments."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return  # forward(**kwargs): any name may arrive
+    names = list(params)
+    bad = [k for k in plan.input_plan if isinstance(k, str) and k != "*" and k not in names]
+    if bad:
+        hints = [f"'{k}' (nearest: {', '.join(difflib.get_close_matches(k, names, n=3)) or 'none'})"
+                 for k in bad]
+        raise DistCompileError(
+            f"input_plan names arguments that {type(model).__name__}.forward does not take: "
+            f"{'; '.join(hints)}", fix=f"use argument names of forward: {names}")
+
+
+def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.Module:
+    """Apply ``plan`` to ``model`` in place and return it.
+
+    Parameters become DTensors (GLOBAL shape, the plan's placements; unmatched: replicated).
+    Every name of a tied parameter (``lm_head.weight`` = ``transformer.wte.weight``) gets the
+    SAME DTensor parameter, so the tie holds: one placement, one gradient, one optimizer state.
+    Buffers stay plain tensors (global values). Inputs named in ``plan.input_plan`` get a
+    sharding constraint each call.
+
+    Raises DistCompileError for a placement that cannot apply, a plan entry that matches no
+    parameter, an input key forward does not take, or a tied parameter whose names the plan
+    gives different placements.
+    """
+    from ..annotations import register_data_axes
+
+    check_plan_keys(model, plan)
+    check_input_keys(model, plan)
+    _compat.allow_implicit_replication(True)
+    _compat.install_dynamo_tracing_fallback()
+    for param, names in parameter_groups(model):
+        placements = _spec_for(plan, names, mesh, param.ndim) or \
+            tuple(Replicate() for _ in range(mesh.ndim))
+        # (an uneven split is fine: torch.chunk's pieces, as DTensor's; the compiler pads them
+        # where a collective needs equal sizes)
+        validate_placements(f"parameter '{names[0]}'", tuple(param.shape), mesh, placements)
+        if isinstance(param, DTensor):
+            if param.device_mesh != mesh:
+                raise DistCompileError(f"parameter '{names[0]}' is already a DTensor on another "
+                                       f"mesh", mesh=describe_mesh(mesh),
+                                       fix="shard each module once")
+            dt = param.redistribute(mesh, placements)
+        else:
+            dt = distribute_tensor(param.detach(), mesh, list(placements))
+        new = nn.Parameter(dt, requires_grad=param.requires_grad)
+        for fqn in names:
+            owner_name, _, leaf = fqn.rpartition(".")
+            owner = model.get_submodule(owner_name) if owner_name else model
+            setattr(owner, leaf, new)
+
+    if plan.input_plan or plan.output_plan or plan.return_local_tensor:
+        model.forward = _constrained_forward(model, mesh, plan)
+    register_data_axes(mesh, plan.data_axes)
+    model._dynamo_dist_plan = plan  # read by tools (explain); not used by the compiler
+    return model
+
+
+def _constrained_forward(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan):
+    """``model.forward`` wrapped so that each call pins the inputs ``plan.input_plan`` names (a
+    wrapper, not forward hooks: with hooks Dynamo compiles the hook and the forward as separate
+    graphs) and applies ``plan.output_plan``."""
+    from ..annotations import with_sharding_constraint
+
+    specs, inner = dict(plan.input_plan), model.forward
+    wildcard = specs.pop("*", None)
+    try:
+        arg_names = list(inspect.signature(inner).parameters)
+    except (TypeError, ValueError):
+        arg_names = []
+
+    def constrain(keys, a, batch):
+        if not isinstance(a, torch.Tensor) or isinstance(a, DTensor):
+            return a
+        spec = next((specs[k] for k in keys if k in specs), None)
+        if spec is None and wildcard is not None and a.ndim and a.shape[0] == batch:
+            spec = wildcard  # "*": the tensor arguments that carry the batch (dim 0 = its size)
+        if spec is None:
+            return a
+        pls = to_placements(spec, mesh, a.ndim, f"input {keys[0]!r}")
+        return with_sharding_constraint(a, mesh, pls)
+
+    named = {k for k in specs if isinstance(k, str)}
+    warned: set[str] = set()
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        unseen = named - set(kwargs) - set(arg_names[:len(args)]) - warned
+        if unseen:  # forward(**kwargs) takes any name: a typo shows only here
+            warned.update(unseen)
+            log.warning("dynamo_dist: input_plan names %s, which this call of %s does not pass "
+                        "(it passed %s); those entries apply to nothing here", sorted(unseen),
+                        type(model).__name__, sorted(set(kwargs) | set(arg_names[:len(args)])))
+        first = next((a for a in (*args, *kwargs.values())
+                      if isinstance(a, torch.Tensor) and a.ndim), None)
+        batch = first.shape[0] if first is not None else None
+        args = tuple(constrain((i, *arg_names[i:i + 1]), a, batch) for i, a in enumerate(args))
+        kwargs = {k: constrain((k,), a, batch) for k, a in kwargs.items()}
+        return _apply_output_plan(inner(*args, **kwargs), mesh, plan)
+
+    return forward
+
+
+def _apply_output_plan(out: Any, mesh: DeviceMesh, plan: ShardingPlan) -> Any:
+    """Redistribute the forward's outputs named in ``plan.output_plan`` and turn those named by
+    ``plan.return_local_tensor`` into local tensors. Inside a compiled region both calls trace
+    as DTensor methods, which the backend reads as constraints (see capture)."""
+    def finish(key, v):
+        if not isinstance(v, DTensor):
+            return v
+        if key in plan.output_plan:
+            pls = to_placements(plan.output_plan[key], mesh, v.ndim, f"output {key!r}")
+            validate_placements(f"output {key!r}", tuple(v.shape), mesh, pls)
+            v = v.redistribute(mesh, pls)
+        local = plan.return_local_tensor
+        if local is True or (local and key in local):
+            v = v.to_local()
+        return v
+
+    if isinstance(out, Mapping):  # dicts and transformers' ModelOutput (an OrderedDict)
+        for key in list(out.keys()):
+            out[key] = finish(key, out[key])
+        return out
+    if isinstance(out, (tuple, list)):
+        return type(out)(finish(i, v) for i, v in enumerate(out))
+    return finish(0, out)

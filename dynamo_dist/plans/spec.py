@@ -1,0 +1,180 @@
+"""What a sharding plan is: ``ShardingPlan`` (plain data: fqn pattern -> placement spec), the
+record of each planner decision (``ParamDecision``), and how a placement spec reads.
+
+A placement spec is any of:
+  * a sequence of torch Placements, one per mesh axis: ``(Replicate(), Shard(0))``
+  * a dict mesh-axis-name -> Placement (axes not named are Replicate): ``{"tp": Shard(0)}``
+  * a ``PartitionSpec``: one entry per TENSOR dim naming the mesh axis (or axes, or None) it is
+    split over, torch_xla/JAX style: ``PartitionSpec("dp", None)``
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, Mapping, Sequence
+
+from torch.distributed.tensor import DeviceMesh
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from ..errors import DistCompileError, describe_mesh
+
+
+class PartitionSpec(tuple):
+    """Per tensor dim: None, a mesh axis name (or index), or a tuple of them."""
+
+    def __new__(cls, *entries):
+        return super().__new__(cls, entries)
+
+    def __repr__(self) -> str:
+        return f"PartitionSpec{tuple(self)!r}"
+
+
+def _axis_index(mesh: DeviceMesh, axis: str | int, what: str) -> int:
+    names = list(mesh.mesh_dim_names or ())
+    if isinstance(axis, int) and 0 <= axis < mesh.ndim:
+        return axis
+    if axis in names:
+        return names.index(axis)
+    raise DistCompileError(f"{what}: unknown mesh axis {axis!r}", mesh=mesh,
+                           fix=f"use one of the mesh's axis names {names} or an index below "
+                               f"{mesh.ndim}")
+
+
+def to_placements(spec: Any, mesh: DeviceMesh, ndim: int, what: str) -> tuple[Placement, ...]:
+    """Any placement spec (see module doc) -> one Placement per mesh axis."""
+    if isinstance(spec, PartitionSpec):
+        out: list[Placement] = [Replicate()] * mesh.ndim
+        if len(spec) > ndim:
+            raise DistCompileError(f"{what}: partition spec {spec} has {len(spec)} entries for a "
+                                   f"{ndim}-D tensor", mesh=mesh,
+                                   fix="give one entry per tensor dim (None for unsharded)")
+        for d, entry in enumerate(spec):
+            for axis in (entry if isinstance(entry, tuple) else (entry,)):
+                if axis is None:
+                    continue
+                out[_axis_index(mesh, axis, what)] = Shard(d)
+        return tuple(out)
+    if isinstance(spec, Mapping):
+        out = [Replicate()] * mesh.ndim
+        for axis, p in spec.items():
+            out[_axis_index(mesh, axis, what)] = p
+        return tuple(out)
+    return tuple(spec)
+
+
+def validate_placements(what: str, shape: Sequence[int], mesh: DeviceMesh,
+                        placements: Sequence[Placement]) -> None:
+    """Raise DistCompileError unless ``placements`` can apply to a tensor of GLOBAL ``shape``."""
+    def fail(why: str, fix: str):
+        raise DistCompileError(f"{what}: {why}", shapes=[shape], mesh=describe_mesh(mesh),
+                               placements=list(placements), fix=fix)
+
+    if len(placements) != mesh.ndim:
+        fail(f"{len(placements)} placements for a {mesh.ndim}-axis mesh",
+             "give one placement per mesh axis")
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if not -len(shape) <= p.dim < len(shape):
+                fail(f"Shard({p.dim}) on mesh axis '{names[axis]}' but the tensor has "
+                     f"{len(shape)} dims",
+                     f"use Shard(d) with 0 <= d < {len(shape)}, or Replicate()")
+        elif not isinstance(p, (Replicate, Partial)):
+            fail(f"unsupported placement {p!r}", "use Shard(d), Replicate() or Partial()")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardingPlan:
+    """Placements for a module's parameters, inputs and outputs.
+
+    plan:         fqn pattern (fnmatch, e.g. ``"*.q_proj.weight"``) -> placement spec; the first
+                  matching pattern wins; unmatched parameters are replicated.
+    input_plan:   forward argument (position or keyword name) -> placement spec; a sharding
+                  constraint on that input (the value passed is the GLOBAL tensor).
+    output_plan:  forward output -> placement spec: the output (a DTensor of GLOBAL shape) is
+                  redistributed to it inside the compiled program. Keys: a position in a
+                  returned tuple/list (0 for a single tensor), or a key of a returned dict or
+                  transformers ``ModelOutput`` (``"logits"``).
+    return_local_tensor: True (every DTensor output) or the keys of the outputs to return as
+                  this rank's LOCAL tensor (``DTensor.to_local()``: local shape) rather than as
+                  a DTensor; with ``output_plan`` the local shard is the one that plan names.
+    data_axes:    mesh axes that carry data parallelism: the compiler gathers parameters there
+                  at use without a memory price (ZeRO-3 / FSDP), and keeps them sharded on the
+                  other axes.
+    decisions:    what the planners decided for each parameter and why (``ParamDecision``);
+                  ``summary()`` prints them. Not read by ``shard_module``.
+
+    An input_plan key ``"*"`` stands for every tensor argument the other keys do not name.
+    """
+
+    plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    input_plan: Mapping[int | str, Any] = dataclasses.field(default_factory=dict)
+    output_plan: Mapping[int | str, Any] = dataclasses.field(default_factory=dict)
+    return_local_tensor: bool | tuple[int | str, ...] = False
+    data_axes: tuple[str, ...] = ()
+    decisions: tuple["ParamDecision", ...] = ()
+
+    def placement_for(self, fqn: str) -> Any | None:
+        for pattern, spec in self.plan.items():
+            if fnmatch.fnmatchcase(fqn, pattern):
+                return spec
+        return None
+
+    def merged(self, other: "ShardingPlan") -> "ShardingPlan":
+        """Per-axis union of two plans (dict specs merge axis by axis; ``other`` wins ties)."""
+        keys = list(dict.fromkeys([*self.plan, *other.plan]))
+        plan = {}
+        for k in keys:
+            a, b = self.plan.get(k), other.plan.get(k)
+            plan[k] = {**a, **b} if isinstance(a, Mapping) and isinstance(b, Mapping) else \
+                (b if b is not None else a)
+        local = self.return_local_tensor, other.return_local_tensor
+        if True in local:
+            local_keys: bool | tuple = True
+        else:
+            local_keys = tuple(dict.fromkeys((local[0] or ()) + (local[1] or ()))) or False
+        return ShardingPlan(plan=plan, input_plan={**self.input_plan, **other.input_plan},
+                            output_plan={**self.output_plan, **other.output_plan},
+                            return_local_tensor=local_keys,
+                            data_axes=tuple(dict.fromkeys(self.data_axes + other.data_axes)),
+                            decisions=self.decisions + other.decisions)
+
+    def summary(self) -> str:
+        """One line per planner decision: parameter, GLOBAL shape, mesh axis, placement, role
+        and reason; replicated parameters last."""
+        return format_decisions(self.decisions)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamDecision:
+    """One planner's decision for one parameter on one mesh axis.
+
+    ``names``: every name the parameter has in the module (tied parameters have several);
+    ``shape``: GLOBAL; ``placement``: on ``axis``; ``role``: what the planner took the parameter
+    for (``column``, ``row``, ``fsdp``, ``replicated``...); ``reason``: why, in words.
+    """
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    axis: str
+    placement: Placement
+    role: str
+    reason: str
+
+    @property
+    def sharded(self) -> bool:
+        return not isinstance(self.placement, Replicate)
+
+
+def format_decisions(decisions: Sequence[ParamDecision]) -> str:
+    rows = sorted(decisions, key=lambda d: (not d.sharded, d.axis))
+    lines = [f"{'parameter':<48} {'shape':<16} {'axis':<5} {'placement':<10} {'role':<11} reason"]
+    for d in rows:
+        name = d.names[0] + (f" (= {', '.join(d.names[1:])})" if len(d.names) > 1 else "")
+        pl = f"S({d.placement.dim})" if isinstance(d.placement, Shard) else "R"
+        lines.append(f"{name:<48} {str(d.shape):<16} {d.axis:<5} {pl:<10} {d.role:<11} "
+                     f"{d.reason}")
+    return "\n".join(lines)
+
+

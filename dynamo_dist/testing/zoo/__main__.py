@@ -1,0 +1,96 @@
+"""The model zoo: ``python -m dynamo_dist.testing.zoo`` trains every architecture on every mesh,
+on simulated ranks and on real gloo ranks, and writes ``docs/model_coverage.md`` (+ JSON).
+
+    python -m dynamo_dist.testing.zoo                       # everything (about an hour, 2 cores)
+    python -m dynamo_dist.testing.zoo --models gpt2 bert --meshes tp=2 --runtimes sim
+    python -m dynamo_dist.testing.zoo --fast                # the CI subset
+
+Each cell runs in its own process(es) under a time limit (a hang is reported as one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from .cell import parse_mesh
+from .models import MODELS
+from .report import write_report
+
+MESHES = ("tp=2", "dp=2", "dp=2,tp=2")
+RUNTIMES = ("sim", "gloo")
+# the CI subset: ties (GPT-2, BERT), a MoE model, the ConvNet
+FAST_MODELS = ("gpt2", "bert", "mixtral", "convnet")
+
+
+def run_one(model: str, mesh: str, runtime: str, steps: int, inductor: bool,
+            timeout: float) -> dict:
+    """One cell in fresh process(es); a crash or hang becomes a result row."""
+    world = math.prod(parse_mesh(mesh).values())
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        worker = ["-m", "dynamo_dist.testing.zoo.worker", model, mesh, out, "--steps", str(steps)]
+        if runtime == "sim":
+            cmd = [sys.executable, *worker, "--sim"]
+        else:
+            port = 20000 + (os.getpid() * 7 + int(time.time())) % 20000
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+                   f"--master-port={port}", *worker] + ([] if inductor else ["--no-inductor"])
+        # plans are made afresh: a cached plan would hide what the current planner does
+        env = dict(os.environ, OMP_NUM_THREADS="1", DYNAMO_DIST_PLAN_CACHE="0")
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+            tail = (proc.stdout + proc.stderr)[-3000:]
+        except subprocess.TimeoutExpired as exc:
+            proc, tail = None, f"timed out after {timeout:.0f} s: {str(exc.stdout or '')[-1500:]}"
+        if os.path.exists(out):
+            with open(out) as f:
+                return json.load(f)
+        status = "hang" if proc is None else "crash"
+        return {"model": model, "family": MODELS[model].family, "mesh": mesh,
+                "runtime": runtime, "inductor": inductor and runtime == "gloo",
+                "status": status, "error": tail, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    ap.add_argument("--meshes", nargs="+", default=list(MESHES))
+    ap.add_argument("--runtimes", nargs="+", choices=RUNTIMES, default=list(RUNTIMES))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--no-inductor", action="store_true", help="gloo cells without Inductor")
+    ap.add_argument("--fast", action="store_true", help=f"only {', '.join(FAST_MODELS)}")
+    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per cell")
+    ap.add_argument("--out", default="docs/model_coverage.md")
+    ap.add_argument("--json", default="docs/model_coverage.json")
+    args = ap.parse_args(argv)
+    models = [m for m in args.models if not args.fast or m in FAST_MODELS]
+    rows = []
+    for model in models:
+        for mesh in args.meshes:
+            for runtime in args.runtimes:
+                row = run_one(model, mesh, runtime, args.steps, not args.no_inductor,
+                              args.timeout)
+                rows.append(row)
+                print(f"{model:<10} {mesh:<10} {runtime:<5} {row['status']:<7} "
+                      f"loss {row.get('loss_rel', float('nan')):.1e} "
+                      f"grad {row.get('grad_rel', float('nan')):.1e} "
+                      f"({row.get('seconds', 0):.0f} s)", flush=True)
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1, default=str)
+    write_report(rows, args.out)
+    wrong = [r for r in rows if r["status"] == "WRONG"]
+    print(f"wrote {args.out}: {len(rows)} cells, {len(wrong)} silently wrong")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

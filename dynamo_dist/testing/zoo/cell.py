@@ -1,0 +1,335 @@
+"""One zoo cell: one architecture on one mesh, trained a few AdamW steps with ``backend="dist"``
+and compared with the same model in one process.
+
+Runtimes: ``sim`` (every rank simulated in this process: a ``fake`` process group,
+``LocalTensorMode`` for the eager parts, ``options={"simulate": True}`` for the compiled ones;
+FX local graphs, no Inductor) and ``gloo`` (this process is one real rank under torchrun;
+Inductor by default). Random draws (dropout) are made identical to the reference's: the same
+seed before each step on both sides, and Inductor's ``fallback_random`` (its kernels then draw
+as eager does; torch's own accuracy checks do the same).
+
+A cell's status: ``parity`` (losses within ``LOSS_TOL`` relative, first-step gradients within
+``GRAD_TOL``), ``WRONG`` (it ran and the numbers differ: the worst outcome), ``error`` (a
+user-facing ``DistCompileError``), ``crash`` (any other exception, an internal error included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from dynamo_dist import _compat
+from dynamo_dist.backend import clear_compile_records, compile_records
+from dynamo_dist.errors import DistCompileError
+from dynamo_dist.plans import (DataParallelPlanner, TensorParallelPlanner, parameter_groups,
+                               shard_module)
+from dynamo_dist.plans.dataflow import example_inputs, trace_projections
+
+from .expect import compare, textbook
+from .models import ZooModel, loss_of
+
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-4
+LR = 1e-3
+
+
+class ReplicaMismatch(AssertionError):
+    """Simulated ranks that must hold one value hold different ones."""
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"dp=2,tp=2"`` -> {"dp": 2, "tp": 2}."""
+    axes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        axes[name.strip()] = int(size)
+    return axes
+
+
+class Runtime:
+    """Where the ranks live: ``eager()`` is the context eager DTensor code runs in."""
+
+    name = "gloo"
+
+    def __init__(self, inductor: bool = True) -> None:
+        self.inductor = inductor
+
+    def options(self) -> dict:
+        return {"inductor": self.inductor}
+
+    def eager(self):
+        return contextlib.nullcontext()
+
+    def localize(self, model: torch.nn.Module) -> None:
+        """Nothing to do: this process is one rank."""
+
+    def setup(self, axes: dict[str, int]):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+class SimRuntime(Runtime):
+    name = "sim"
+
+    def __init__(self) -> None:
+        super().__init__(inductor=False)
+        self.mode = None
+
+    def options(self) -> dict:
+        return {"simulate": True}
+
+    def eager(self):
+        return self.mode
+
+    def setup(self, axes: dict[str, int]):
+        from torch.distributed._local_tensor import LocalTensorMode
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        world = math.prod(axes.values())
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        self.mode = LocalTensorMode(world)
+        self.world = world
+        return super().setup(axes)
+
+    def localize(self, model: torch.nn.Module) -> None:
+        """Give every rank its own copy of what ``shard_module`` left as one plain tensor
+        (replicated parameters' local tensors, buffers): updates (the optimizer's, batch-norm
+        statistics) then apply per rank, as on real ranks."""
+        from torch.distributed._local_tensor import LocalTensor
+
+        def per_rank(t: torch.Tensor) -> torch.Tensor:
+            return t if isinstance(t, LocalTensor) else \
+                LocalTensor({r: t.detach().clone() for r in range(self.world)})
+
+        for p in model.parameters():
+            if isinstance(p, DTensor):
+                p._local_tensor = per_rank(p._local_tensor)
+        for name, b in list(model.named_buffers()):
+            owner_name, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(owner_name) if owner_name else model
+            owner._buffers[leaf] = per_rank(b)
+
+
+def global_value(t: Any, rt: Runtime) -> torch.Tensor:
+    """The GLOBAL value of a DTensor (its full tensor) or plain tensor; on simulated ranks the
+    replicas must agree (ReplicaMismatch otherwise)."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    with rt.eager():
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+    if isinstance(t, LocalTensor):
+        vals = list(t._local_tensors.values())
+        for v in vals[1:]:
+            if not torch.allclose(v, vals[0], rtol=1e-5, atol=1e-6, equal_nan=True):
+                raise ReplicaMismatch("replicated value differs between simulated ranks")
+        t = vals[0]
+    return t.detach()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def plan_model(model: torch.nn.Module, axes: dict[str, int]):
+    """The stock planners, as a user composes them: Megatron on ``tp``, FSDP on ``dp``."""
+    plan = TensorParallelPlanner(axis="tp").build_plan(model) if "tp" in axes else None
+    if "dp" in axes:
+        plan = DataParallelPlanner(axis="dp", mesh_axis_size=axes["dp"]).build_plan(model, plan)
+    return plan
+
+
+def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3) -> dict:
+    """Train ``zm`` on the mesh ``mesh_text`` for ``steps`` AdamW steps; the result row."""
+    axes = parse_mesh(mesh_text)
+    row: dict[str, Any] = {"model": zm.name, "family": zm.family, "mesh": mesh_text,
+                           "runtime": rt.name, "inductor": rt.inductor, "status": "crash"}
+    t0 = time.perf_counter()
+    torch._dynamo.reset()
+    clear_compile_records()
+    logs = _CapturedLog()
+    try:
+        with logs, _inductor_random_as_eager():
+            _train(zm, axes, rt, steps, row)
+    except ReplicaMismatch as exc:
+        row.update(status="WRONG", error=str(exc))
+    except DistCompileError as exc:
+        internal = str(exc).startswith("internal")
+        row.update(status="crash" if internal else "error", error=_short(exc))
+    except Exception as exc:  # noqa: BLE001 -- a zoo cell reports every failure
+        row.update(status="crash", error=_short(exc), trace=traceback.format_exc()[-3000:])
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    row["warnings"] = logs.messages[:20]
+    _describe_compiles(row)
+    return row
+
+
+def _train(zm: ZooModel, axes: dict[str, int], rt: Runtime, steps: int, row: dict) -> None:
+    mesh = rt.setup(axes)
+    ref = zm.build()
+    model = copy.deepcopy(ref)
+    plan = plan_model(model, axes)
+    row["params"] = _param_summary(model, plan)
+    projections = None
+    if "tp" in axes:
+        inputs = example_inputs(model) or zm.batch(0)
+        projections = trace_projections(model, *inputs)
+    expected = textbook(model, plan, axes, projections)
+    ties = sorted(tuple(sorted(n)) for _, n in parameter_groups(model) if len(n) > 1)
+    with rt.eager():
+        shard_module(model, mesh, plan)
+        rt.localize(model)
+    row["ties_kept"] = ties == sorted(tuple(sorted(n)) for _, n in parameter_groups(model)
+                                      if len(n) > 1)
+    compiled = torch.compile(model, backend="dist", options=rt.options())
+    with rt.eager():
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    losses, grad_rel, worst, noise = [], 0.0, None, []
+    for step in range(steps):
+        args, kwargs = zm.batch(step)
+        torch.manual_seed(100 + step)
+        loss = loss_of(compiled(*args, **kwargs))
+        with rt.eager():
+            loss.backward()
+        if step == 0:
+            grads = {n: (global_value(p.grad, rt) if p.grad is not None else None)
+                     for n, p in model.named_parameters()}
+        with rt.eager():
+            opt.step()
+            opt.zero_grad()
+        torch.manual_seed(100 + step)
+        ref_loss = loss_of(ref(*args, **kwargs))
+        ref_loss.backward()
+        if step == 0:
+            grad_rel, worst, noise = _grad_errors(grads, ref)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((global_value(loss, rt).item(), ref_loss.item()))
+    # a parameter whose gradient is zero in exact arithmetic moves by AdamW's lr * sign(noise):
+    # its final value is noise on both sides (listed, not compared)
+    param_rels = {n: _rel(global_value(p, rt), q.detach())
+                  for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())
+                  if n not in noise}
+    param_worst = max(param_rels, key=param_rels.get)
+    param_rel = param_rels[param_worst]
+    row["param_worst"] = param_worst
+    loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in losses)
+    row.update(losses=losses, loss_rel=loss_rel, grad_rel=grad_rel, grad_worst=worst,
+               param_rel=param_rel, zero_gradient=noise)
+    row["status"] = "parity" if loss_rel <= LOSS_TOL and grad_rel <= GRAD_TOL else "WRONG"
+    row["textbook"] = compare(expected, _ledger_counts())
+
+
+# A gradient tensor whose reference norm is below this fraction of the largest one is zero in
+# exact arithmetic (a key projection's bias: softmax ignores a shift of all scores) and rounding
+# noise in practice, on both sides: its error is measured against that floor, not its own norm.
+ZERO_GRAD_FLOOR = 1e-4
+
+
+def _grad_errors(grads: dict, ref: torch.nn.Module) -> tuple[float, str | None, list[str]]:
+    """(worst relative Frobenius error of a first-step gradient, its parameter, the parameters
+    whose gradient is rounding noise); a gradient present on one side only is a mismatch."""
+    pairs = {}
+    for n, q in ref.named_parameters():
+        g = grads.get(n)
+        if (g is None) != (q.grad is None):
+            raise ReplicaMismatch(f"parameter {n}: gradient "
+                                  f"{'missing' if g is None else 'unexpected'}")
+        if g is not None:
+            pairs[n] = ((g.float() - q.grad.float()).norm().item(), q.grad.float().norm().item())
+    if not pairs:
+        return 0.0, None, []
+    floor = ZERO_GRAD_FLOOR * max(r for _, r in pairs.values())
+    errors = {n: d / max(r, floor, 1e-30) for n, (d, r) in pairs.items()}
+    worst = max(errors, key=errors.get)
+    return errors[worst], worst, sorted(n for n, (_, r) in pairs.items() if r < floor)
+
+
+def _ledger_counts() -> dict[tuple[str, str, str], int]:
+    counts: dict[tuple[str, str, str], int] = {}
+    for rec in compile_records():
+        for e in rec.ledger.entries:
+            key = (e.mesh_axis, e.phase, e.kind)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _param_summary(model: torch.nn.Module, plan) -> dict:
+    groups = parameter_groups(model)
+    replicated = [{"names": list(d.names), "axis": d.axis, "reason": d.reason}
+                  for d in plan.decisions if not d.sharded]
+    sharded_any = {d.names[0] for d in plan.decisions if d.sharded}
+    return {"total": len(groups), "sharded": len(sharded_any),
+            "replicated_everywhere": sum(1 for _, n in groups if n[0] not in sharded_any),
+            "replicated": replicated}
+
+
+def _describe_compiles(row: dict) -> None:
+    records = compile_records()
+    row["graphs"] = len(records)
+    row["graph_breaks"] = sorted({str(getattr(r, "reason", r)).splitlines()[0][:200]
+                                  for r in _compat.graph_break_reasons()})
+    row["fallbacks"] = sorted({f for r in records for f in r.plan.fallbacks})
+    coll: dict[str, list[int]] = {}
+    no_source = []
+    for r in records:
+        for e in r.ledger.entries:
+            k = f"{e.mesh_axis} {e.phase} {e.kind}"
+            coll.setdefault(k, [0, 0])
+            coll[k][0] += 1
+            coll[k][1] += e.bytes
+            if not e.source or "eval_with_key" in e.source:
+                no_source.append(f"{e.kind} {e.node}: {e.cause}")
+    row["collectives"] = coll
+    row["issued"] = sum(r.ledger.issued() for r in records)
+    row["ledger_without_user_line"] = no_source
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) < 1500 else text[:1500] + " ..."
+
+
+@contextlib.contextmanager
+def _inductor_random_as_eager():
+    import torch._inductor.config as inductor_config
+
+    old = inductor_config.fallback_random
+    inductor_config.fallback_random = True
+    try:
+        yield
+    finally:
+        inductor_config.fallback_random = old
+
+
+class _CapturedLog(logging.Handler):
+    """dynamo_dist's warnings during a cell (replicated fallbacks, boundary gathers)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg not in self.messages:
+            self.messages.append(msg[:400])
+
+    def __enter__(self):
+        logging.getLogger("dynamo_dist").addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("dynamo_dist").removeHandler(self)

@@ -1,0 +1,112 @@
+"""The textbook collective plan of one architecture on one mesh, to hold the compiler's plan
+against.
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019), per step: one all_reduce in the forward
+after every row-parallel projection, and one in the backward for every activation that
+column-parallel projections read (projections that read one activation, q/k/v or gate/up, have
+their input gradients summed first); nothing else moves on the tensor-parallel axis.
+Fully-sharded data parallelism (FSDP / ZeRO-3, Rajbhandari et al. 2020): every parameter sharded
+on the data axis is all-gathered once in the forward, at most once more in the backward (the
+re-gather of what the backward needs), and its gradient is reduce-scattered once; a parameter
+replicated there (DDP) has its gradient all-reduced once; the loss (a mean over the batch) needs
+its sum and its count of valid labels all-reduced, and synchronized batch norm all-reduces at most two statistics per layer in
+each direction. Counts are per step, before bucketing (the ledger's entries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+from dynamo_dist.plans import ShardingPlan
+from dynamo_dist.plans.dataflow import Projection
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """``count`` collectives of ``kind`` on mesh axis ``axis`` in ``phase``; ``exact`` or an
+    upper bound; ``why`` says which rule of the textbook plan it comes from."""
+
+    axis: str
+    phase: str
+    kind: str
+    count: int
+    exact: bool
+    why: str
+
+
+def textbook(model: nn.Module, plan: ShardingPlan, axes: dict[str, int],
+             projections: dict[int, Projection] | None) -> list[Expected]:
+    """The textbook plan of ``model`` (before ``shard_module``: the planners' parameters) on a
+    mesh with ``axes`` (name -> size), for every (axis, phase, kind) it moves anything on;
+    every other combination is expected to move nothing."""
+    out: list[Expected] = []
+    params = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    if "tp" in axes and projections is not None:
+        out += _megatron(plan, params, projections)
+    if "dp" in axes:
+        out += _fsdp(model, plan, params)
+    return out
+
+
+def _megatron(plan: ShardingPlan, params, projections) -> list[Expected]:
+    rows, column_roots = 0, set()
+    for d in plan.decisions:
+        if d.axis != "tp" or not d.sharded:
+            continue
+        proj = projections.get(id(params[d.names[0]]))
+        if proj is None:
+            continue
+        if d.role == "row":
+            rows += 1
+        elif d.role == "column":
+            column_roots.update(proj.input_roots)
+    return [Expected("tp", "forward", "all_reduce", rows, True,
+                     "one after each row-parallel projection"),
+            Expected("tp", "backward", "all_reduce", len(column_roots), True,
+                     "one per activation read by column-parallel projections")]
+
+
+def _fsdp(model: nn.Module, plan: ShardingPlan, params) -> list[Expected]:
+    sharded = [d for d in plan.decisions if d.axis == "dp" and d.sharded]
+    replicated = [d for d in plan.decisions if d.axis == "dp" and not d.sharded and
+                  params[d.names[0]].requires_grad]
+    norms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    out = [Expected("dp", "forward", "all_reduce", 2 + 2 * norms, False,
+                    "the loss (its sum and its count of valid labels)" +
+                    (f", batch statistics of {norms} batch norms" if norms else ""))]
+    if sharded:
+        out += [Expected("dp", "forward", "all_gather", len(sharded), True,
+                         "each FSDP parameter once"),
+                Expected("dp", "backward", "all_gather", len(sharded), False,
+                         "re-gather of FSDP parameters the backward reads"),
+                Expected("dp", "backward", "reduce_scatter", len(sharded), True,
+                         "each FSDP parameter's gradient once")]
+    if replicated or norms:
+        out.append(Expected("dp", "backward", "all_reduce", len(replicated) + 2 * norms,
+                            not norms, "gradients of parameters replicated on dp" +
+                            (", batch-norm statistics' gradients" if norms else "")))
+    return out
+
+
+def compare(expected: list[Expected], counts: dict[tuple[str, str, str], int]
+            ) -> list[dict]:
+    """Rows (axis, phase, kind, ours, textbook, verdict): verdict "=" , "fewer" or "MORE"
+    (more than the textbook plan: the cell's plan is worse than it should be)."""
+    rows = []
+    keys = {(e.axis, e.phase, e.kind): e for e in expected}
+    for key in sorted(set(keys) | set(counts)):
+        e = keys.get(key)
+        ours = counts.get(key, 0)
+        want = e.count if e else 0
+        if ours > want:
+            verdict = "MORE"
+        elif ours < want and e is not None and e.exact:
+            verdict = "fewer"
+        else:
+            verdict = "="
+        rows.append({"axis": key[0], "phase": key[1], "kind": key[2], "ours": ours,
+                     "textbook": want, "exact": bool(e and e.exact), "verdict": verdict,
+                     "why": e.why if e else "nothing moves here in the textbook plan"})
+    return rows

@@ -1,0 +1,103 @@
+"""``docs/model_coverage.md``: the zoo's matrix (architecture x mesh x runtime) and, per cell,
+what a user would ask: did it train like one process, in how many graphs, with which
+collectives against the textbook plan, what was left replicated and why."""
+
+from __future__ import annotations
+
+import collections
+import datetime
+
+import torch
+
+from .cell import GRAD_TOL, LOSS_TOL
+
+_MARK = {"parity": "parity", "WRONG": "**WRONG**", "error": "error", "crash": "crash",
+         "hang": "**hang**"}
+
+
+def _cell_text(row: dict) -> str:
+    text = _MARK.get(row["status"], row["status"])
+    if row["status"] in ("parity", "WRONG") and "loss_rel" in row:
+        text += f" {row['loss_rel']:.0e}/{row['grad_rel']:.0e}"
+    more = [r for r in row.get("textbook", []) if r["verdict"] == "MORE"]
+    if more:
+        text += f", +{sum(r['ours'] - r['textbook'] for r in more)} coll."
+    if row.get("graphs", 1) > 1:
+        text += f", {row['graphs']} graphs"
+    return text
+
+
+def write_report(rows: list[dict], path: str) -> None:
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    cols = list(dict.fromkeys((r["mesh"], r["runtime"]) for r in rows))
+    by = {(r["model"], r["mesh"], r["runtime"]): r for r in rows}
+    counts = collections.Counter(r["status"] for r in rows)
+    lines = [
+        "# Model coverage",
+        "",
+        f"Written by `python -m dynamo_dist.testing.zoo` on {datetime.date.today()} "
+        f"(torch {torch.__version__}). Each architecture is built from its library's default "
+        "config, scaled down only in width, depth and vocabulary (caches, ties and dropout as "
+        "shipped), planned by the stock planners (`TensorParallelPlanner` on `tp`, "
+        "`DataParallelPlanner` FSDP on `dp`), trained 3 AdamW steps with `backend=\"dist\"` and "
+        "compared with the same model in one process, with the same random draws. `sim`: every "
+        "rank simulated in one process (local graphs as FX); `gloo`: real ranks, Inductor.",
+        "",
+        f"A cell reads `parity L/G` when losses agree within {LOSS_TOL:g} and first-step "
+        f"gradients within {GRAD_TOL:g} (relative), with L and G the worst of each; `**WRONG**` "
+        "when it ran and the numbers differ; `error` for a clear user-facing error; `crash` "
+        "for any other failure; `+n coll.` when the plan moves n more collectives than the "
+        "textbook plan (Megatron on tp, FSDP on dp); `k graphs` when Dynamo split the program.",
+        "",
+        "Totals: " + ", ".join(f"{n} {s}" for s, n in counts.most_common()),
+        "",
+        "| model | " + " | ".join(f"{m} {rt}" for m, rt in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for model in models:
+        cells = [_cell_text(by[(model, m, rt)]) if (model, m, rt) in by else "" for m, rt in cols]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    lines += ["", "## Architectures", ""]
+    for model in models:
+        row = next(r for r in rows if r["model"] == model)
+        lines.append(f"- **{model}**: {row['family']}")
+    lines += ["", "## Cells", ""]
+    for r in rows:
+        lines += _details(r)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _details(r: dict) -> list[str]:
+    out = [f"### {r['model']} on {r['mesh']} ({r['runtime']}): {r['status']}", ""]
+    if r.get("error"):
+        out += ["```", str(r["error"]).strip()[:1500], "```", ""]
+    if "losses" in r:
+        out.append("- loss (ours / one process): " + ", ".join(
+            f"{a:.6f}/{b:.6f}" for a, b in r["losses"]) +
+            f"; worst first-step gradient {r['grad_rel']:.1e} ({r.get('grad_worst')}); final "
+            f"parameters {r['param_rel']:.1e} ({r.get('param_worst')})")
+    if "graphs" in r:
+        breaks = "; ".join(r.get("graph_breaks", [])) or "none"
+        out.append(f"- graphs compiled: {r['graphs']}; graph breaks: {breaks}")
+    if "ties_kept" in r:
+        out.append(f"- tied parameters kept tied: {r['ties_kept']}")
+    if r.get("params"):
+        p = r["params"]
+        reasons = collections.Counter(f"{x['axis']}: {x['reason']}" for x in p["replicated"])
+        out.append(f"- parameters: {p['total']}, sharded on some axis {p['sharded']}, "
+                   f"replicated everywhere {p['replicated_everywhere']}")
+        out += [f"  - replicated ({n}x) {why}" for why, n in reasons.most_common()]
+    if r.get("textbook"):
+        out += ["", "| axis | phase | kind | ours | textbook | verdict |", "|---|---|---|---|---|---|"]
+        out += [f"| {t['axis']} | {t['phase']} | {t['kind']} | {t['ours']} | "
+                f"{'' if t['exact'] else '<= '}{t['textbook']} | {t['verdict']} |"
+                for t in r["textbook"]]
+        out.append("")
+    if r.get("fallbacks"):
+        out += ["- replicated fallbacks:"] + [f"  - {f}" for f in r["fallbacks"]]
+    if r.get("ledger_without_user_line"):
+        out.append(f"- ledger entries without a user source line: "
+                   f"{len(r['ledger_without_user_line'])}")
+    out.append("")
+    return out

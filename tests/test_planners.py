@@ -1,0 +1,196 @@
+"""The stock planners on real architectures: Megatron pairs found from the dataflow (agreeing
+with transformers' own tensor-parallel plans where a model ships one), a reason for every
+replicated parameter, tied parameters kept tied, and plan keys that match nothing refused."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from dynamo_dist.errors import DistCompileError
+from dynamo_dist.plans import (DataParallelPlanner, ShardingPlan, TensorParallelPlanner,
+                               parameter_groups, shard_module)
+from dynamo_dist.testing.zoo.models import MODELS
+
+_HF_ROLE = {"colwise": "column", "rowwise": "row", "packed_colwise": "column"}
+
+
+def _decisions(plan, axis="tp"):
+    return {n: d for d in plan.decisions if d.axis == axis for n in d.names}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_neox", "qwen2", "gemma", "phi", "mixtral"])
+def test_dataflow_roles_match_transformers_tp_plan(name):
+    """Where transformers ships a tensor-parallel plan (``base_model_tp_plan``), the roles our
+    planner reads from the program's dataflow are the same, with no names involved."""
+    model = MODELS[name].build()
+    hf_plan = model.config.base_model_tp_plan
+    decisions = _decisions(TensorParallelPlanner().build_plan(model))
+    import fnmatch
+
+    checked = 0
+    for fqn in decisions:
+        for pattern, style in hf_plan.items():
+            if style not in _HF_ROLE:
+                continue
+            if fnmatch.fnmatchcase(fqn, f"*{pattern}.weight") or \
+                    fnmatch.fnmatchcase(fqn, f"*{pattern}"):
+                assert decisions[fqn].role == _HF_ROLE[style], (fqn, style, decisions[fqn])
+                checked += 1
+    assert checked >= 4 * 2  # every projection of both layers was compared
+
+
+def test_gpt2_conv1d_is_planned_with_its_transposed_layout():
+    model = MODELS["gpt2"].build()
+    d = _decisions(TensorParallelPlanner().build_plan(model))
+    h = "transformer.h.0."
+    # Conv1D's weight is [in, out]: columns split dim 1, rows split dim 0
+    assert d[h + "attn.c_attn.weight"].placement == Shard(1)
+    assert "fused" in d[h + "attn.c_attn.weight"].reason  # q|k|v split after it: said so
+    assert d[h + "attn.c_proj.weight"].placement == Shard(0)
+    assert d[h + "mlp.c_fc.weight"].placement == Shard(1)
+    assert d[h + "mlp.c_fc.bias"].placement == Shard(0)
+    assert d[h + "mlp.c_proj.weight"].placement == Shard(0)
+    assert d[h + "mlp.c_proj.bias"].placement == Replicate()
+
+
+def test_bert_pairs_across_parent_modules():
+    """BERT's column and row projections live under different parents (attention.self.* then
+    attention.output.dense; intermediate.dense then output.dense)."""
+    model = MODELS["bert"].build()
+    d = _decisions(TensorParallelPlanner().build_plan(model))
+    layer = "bert.encoder.layer.1."
+    for col in ("attention.self.query", "attention.self.key", "attention.self.value",
+                "intermediate.dense"):
+        assert d[layer + col + ".weight"].role == "column", col
+    for row in ("attention.output.dense", "output.dense"):
+        assert d[layer + row + ".weight"].role == "row", row
+    # the prediction head's transform ends in a LayerNorm before the tied decoder: no pair
+    assert not d["cls.predictions.transform.dense.weight"].sharded
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_parameter_has_one_decision_with_a_reason(name):
+    model = MODELS[name].build()
+    plan = TensorParallelPlanner().build_plan(model)
+    plan = DataParallelPlanner(mesh_axis_size=2).build_plan(model, plan)
+    for axis in ("tp", "dp"):
+        seen = [d.names[0] for d in plan.decisions if d.axis == axis]
+        assert sorted(seen) == sorted(n[0] for _, n in parameter_groups(model)), axis
+    assert all(d.reason for d in plan.decisions)
+    assert plan.summary().count("\n") == len(plan.decisions)
+
+
+def test_mixtral_experts_and_router():
+    model = MODELS["mixtral"].build()
+    d = _decisions(TensorParallelPlanner().build_plan(model))
+    experts = "model.layers.0.mlp.experts."
+    assert d[experts + "gate_up_proj"].placement == Shard(1)  # [E, 2I, H]: output features
+    assert d[experts + "down_proj"].placement == Shard(2)     # [E, H, I]: input features
+    assert not d["model.layers.0.mlp.gate.weight"].sharded    # the router pairs with nothing
+    assert "router" in d["model.layers.0.mlp.gate.weight"].reason
+
+
+def test_unknown_plan_key_is_refused_with_nearest_names(fake_mesh):
+    mesh = fake_mesh((2,), ("tp",))
+    model = MODELS["llama"].build()
+    plan = ShardingPlan(plan={"model.layers.0.self_attn.q_prj.weight": {"tp": Shard(0)}})
+    with pytest.raises(DistCompileError, match="q_proj.weight") as err:
+        shard_module(model, mesh, plan)
+    assert "match no parameter" in str(err.value) and "fix" in str(err.value)
+
+    class Net(nn.Module):
+        def forward(self, input_ids, labels=None):
+            return input_ids
+
+    with pytest.raises(DistCompileError, match="input_ids"):
+        shard_module(Net(), mesh, ShardingPlan(input_plan={"input_id": {"tp": Shard(0)}}))
+
+
+def test_input_key_a_kwargs_forward_never_receives_is_logged(fake_mesh, caplog):
+    """transformers' forwards take ``**kwargs``: any name may arrive, so a typo can only be seen
+    at the call, where it is logged once."""
+    mesh = fake_mesh((2,), ("tp",))
+
+    class Net(nn.Module):
+        def forward(self, input_ids, **kwargs):
+            return input_ids
+
+    model = shard_module(Net(), mesh, ShardingPlan(input_plan={"input_id": {"tp": Shard(0)}}))
+    with caplog.at_level("WARNING", logger="dynamo_dist"):
+        model(torch.ones(2, 2, dtype=torch.long))
+        model(torch.ones(2, 2, dtype=torch.long))
+    assert sum("input_id" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("name,aliases", [
+    ("gpt2", {"transformer.wte.weight", "lm_head.weight"}),
+    ("bert", {"bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"}),
+    ("t5", {"shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+            "lm_head.weight"}),
+])
+def test_tied_parameters_become_one_dtensor(fake_mesh, name, aliases):
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    model = MODELS[name].build()
+    plan = TensorParallelPlanner().build_plan(model)
+    plan = DataParallelPlanner(mesh_axis_size=2).build_plan(model, plan)
+    shard_module(model, mesh, plan)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = {id(params[a]) for a in aliases}
+    assert len(tied) == 1 and isinstance(params[next(iter(aliases))], DTensor)
+    assert sum(1 for _ in model.parameters()) == len(parameter_groups(model))
+
+
+def test_conflicting_placements_of_a_tie_are_refused(fake_mesh):
+    mesh = fake_mesh((2,), ("tp",))
+    model = MODELS["gpt2"].build()
+    plan = ShardingPlan(plan={"transformer.wte.weight": {"tp": Shard(0)},
+                              "lm_head.weight": {"tp": Shard(1)}})
+    with pytest.raises(DistCompileError, match="tied parameter") as err:
+        shard_module(model, mesh, plan)
+    assert "lm_head.weight" in str(err.value) and "same placement" in str(err.value)
+
+
+def test_structural_fallback_without_example_inputs():
+    """A module that is not a transformers model and gets no example inputs is paired by its
+    structure (Linear children that widen and narrow back), and says so."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 8)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    plan = TensorParallelPlanner().build_plan(Block())
+    d = _decisions(plan)
+    assert d["a.weight"].placement == Shard(0) and "structure" in d["a.weight"].reason
+    assert d["b.weight"].placement == Shard(1)
+    with_inputs = _decisions(TensorParallelPlanner().build_plan(
+        Block(), example_inputs=(torch.randn(2, 8),)))
+    assert "dataflow" in with_inputs["a.weight"].reason
+
+
+def test_data_parallel_inputs_default_to_every_batch_argument(fake_mesh, monkeypatch):
+    """``DataParallelPlanner``'s default input plan splits every tensor argument whose dim 0 is
+    the batch (T5's decoder ids, a ConvNet's labels), and not a broadcast [1, S] argument."""
+    import dynamo_dist.annotations as annotations
+
+    mesh = fake_mesh((2,), ("dp",))
+    calls = []
+    monkeypatch.setattr(annotations, "with_sharding_constraint",
+                        lambda t, m, p: calls.append((tuple(t.shape), tuple(p))) or t)
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x, labels, position_ids=None):
+            return (x * self.w).sum() + labels.sum() + position_ids.sum()
+
+    model = Probe()
+    shard_module(model, mesh, DataParallelPlanner().build_plan(model))
+    model(torch.ones(6, 4), torch.ones(6), position_ids=torch.ones(1, 4))
+    assert calls == [((6, 4), (Shard(0),)), ((6,), (Shard(0),))]
