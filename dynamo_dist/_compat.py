@@ -116,12 +116,29 @@ def current_compile_id() -> str | None:
 def sdpa_takes_math_path(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                          scale=None, enable_gqa=False) -> bool:
     """Whether ``F.scaled_dot_product_attention`` on these (fake) tensors dispatches to its math
-    path (``torch._fused_sdp_choice`` is 0 for math; checked on torch 2.11 and 2.13)."""
+    path: ``torch._fused_sdp_choice`` (0 is math; checked on torch 2.11 and 2.13) asked about
+    real probe tensors with the same shapes, dtypes, requires_grad and unit last-dim strides --
+    under a fake mode it answers math for everything. A probe is one row expanded (no memory);
+    a meta tensor is probed on the CPU, the device a meta-device plan stands for."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         return False
+
+    def probe(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        device = "cpu" if t.device.type == "meta" else t.device
+        row = torch.empty((1,) * (t.dim() - 1) + tuple(t.shape[-1:]), dtype=t.dtype,
+                          device=device, requires_grad=t.requires_grad and t.is_floating_point())
+        return row.expand(t.shape)
+
     kwargs = {"scale": scale, "enable_gqa": enable_gqa} if enable_gqa else {"scale": scale}
-    return int(torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal,
-                                       **kwargs)) == 0
+    # a question about the call, not part of the program: nothing here is traced or faked
+    with disable_proxy_modes_tracing(), unset_fake_temporarily():
+        args = [probe(t) for t in (query, key, value, attn_mask)]
+        return int(torch._fused_sdp_choice(*args, dropout_p, is_causal, **kwargs)) == 0
 
 
 def preserve_backward_stack_traces(grad_fns: list) -> None:

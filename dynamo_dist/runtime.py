@@ -83,8 +83,10 @@ class DistStep:
         # inputs the program updates in place: their new values are the last forward outputs
         self.mutated_inputs = list(mutated_inputs)
         self.num_user_outputs = len(self.output_placements) - len(self.mutated_inputs)
+        self.calls = 0  # how often this graph ran (a recompiled program leaves old ones idle)
 
     def __call__(self, *args):
+        self.calls += 1
         local = []
         for (info, want), want_stride in zip(self._tensor_inputs, self._input_strides):
             x = args[info.index]

@@ -194,3 +194,19 @@ def test_data_parallel_inputs_default_to_every_batch_argument(fake_mesh, monkeyp
     shard_module(model, mesh, DataParallelPlanner().build_plan(model))
     model(torch.ones(6, 4), torch.ones(6), position_ids=torch.ones(1, 4))
     assert calls == [((6, 4), (Shard(0),)), ((6,), (Shard(0),))]
+
+
+def test_heads_a_split_would_cut_stay_whole():
+    """Gemma's multi-query attention has one key/value head: with the tp size known, k/v stay
+    replicated (the attention rule reads them whole beside the head-split query) instead of
+    splitting head_dim, which would gather them back before attention."""
+    model = MODELS["gemma"].build()
+    d = _decisions(TensorParallelPlanner(mesh_axis_size=2).build_plan(model))
+    attn = "model.layers.0.self_attn."
+    assert d[attn + "q_proj.weight"].placement == Shard(0)
+    for kv in ("k_proj", "v_proj"):
+        assert d[attn + kv + ".weight"].role == "whole heads" and "1 attention head" in \
+            d[attn + kv + ".weight"].reason
+    assert d[attn + "o_proj.weight"].placement == Shard(1)
+    llama = _decisions(TensorParallelPlanner(mesh_axis_size=2).build_plan(MODELS["llama"].build()))
+    assert llama["model.layers.0.self_attn.k_proj.weight"].placement == Shard(0)  # 2 kv heads

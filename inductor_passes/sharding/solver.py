@@ -14,10 +14,10 @@ Variables and constraints, each built by the function named:
   a cotangent takes its forward output's placement with Partial reduced (JAX's rule).
 
 Objective (``_objective``): sum of redistribute cost * y (cost.redistribute_cost, parameters'
-gathers priced with the memory factor) + what each OpSpec costs itself (rules.node_cost: matmul
-and convolution compute per rank, collectives inside an op) + the cost
-of bringing each graph output to its required placement (forward outputs non-Partial,
-gradients in their parameter's placement). Solved with HiGHS through scipy.optimize.milp.
+gathers priced with the memory factor) + what each OpSpec costs itself (rules.node_cost: matmul,
+fused-attention and convolution compute per rank, collectives inside an op) + the cost of
+bringing each graph output to its required placement (forward outputs non-Partial, gradients in
+their parameter's placement). Solved with HiGHS through scipy.optimize.milp.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import numpy as np
 import torch.fx as fx
 
 from .placements import Placements, is_placements, nonpartial, replicate
-from .rules import GETITEM, OpSpec, has_node_cost, node_cost, op_strategy, replicated_spec, tensor_args
+from .rules import (GETITEM, OpSpec, has_node_cost, node_cost, op_strategy, replicated_spec,
+                    tensor_args)
 
 log = logging.getLogger("dynamo_dist.sharding")
 

@@ -4,7 +4,9 @@ against.
 Tensor parallelism (Megatron-LM, Shoeybi et al. 2019), per step: one all_reduce in the forward
 after every row-parallel projection, and one in the backward for every activation that
 column-parallel projections read (projections that read one activation, q/k/v or gate/up, have
-their input gradients summed first); nothing else moves on the tensor-parallel axis.
+their input gradients summed first), plus, for key/value projections kept whole because the
+heads do not split (multi-query attention), one for each one's output gradient; nothing else
+moves on the tensor-parallel axis.
 Fully-sharded data parallelism (FSDP / ZeRO-3, Rajbhandari et al. 2020): every parameter sharded
 on the data axis is all-gathered once in the forward, at most once more in the backward (the
 re-gather of what the backward needs), and its gradient is reduce-scattered once; a parameter
@@ -51,8 +53,9 @@ def textbook(model: nn.Module, plan: ShardingPlan, axes: dict[str, int],
 
 
 def _megatron(plan: ShardingPlan, params, projections) -> list[Expected]:
-    rows, column_roots = 0, set()
+    rows, column_roots, whole = 0, set(), 0
     for d in plan.decisions:
+        whole += d.axis == "tp" and d.role == "whole heads"
         if d.axis != "tp" or not d.sharded:
             continue
         proj = projections.get(id(params[d.names[0]]))
@@ -64,8 +67,10 @@ def _megatron(plan: ShardingPlan, params, projections) -> list[Expected]:
             column_roots.update(proj.input_roots)
     return [Expected("tp", "forward", "all_reduce", rows, True,
                      "one after each row-parallel projection"),
-            Expected("tp", "backward", "all_reduce", len(column_roots), True,
-                     "one per activation read by column-parallel projections")]
+            Expected("tp", "backward", "all_reduce", len(column_roots) + whole, True,
+                     "one per activation read by column-parallel projections" +
+                     (", one per whole-head key/value projection's output gradient (multi-query "
+                      "attention: summed over the query-head ranks)" if whole else ""))]
 
 
 def _fsdp(model: nn.Module, plan: ShardingPlan, params) -> list[Expected]:
@@ -92,16 +97,26 @@ def _fsdp(model: nn.Module, plan: ShardingPlan, params) -> list[Expected]:
 
 def compare(expected: list[Expected], counts: dict[tuple[str, str, str], int]
             ) -> list[dict]:
-    """Rows (axis, phase, kind, ours, textbook, verdict): verdict "=" , "fewer" or "MORE"
-    (more than the textbook plan: the cell's plan is worse than it should be)."""
-    rows = []
+    """Rows (axis, phase, kind, ours, textbook, verdict). A collective of another kind can stand
+    in for the textbook's at the same cost (an all_reduce of a summed gradient for the
+    reduce_scatter of a small table's, an all_to_all of an expanded parameter for its gather),
+    so the verdict reads the totals of each (axis, phase): "MORE" when ours moves more
+    collectives there than the textbook plan (the cell's plan is worse than it should be),
+    "other kind" when a kind exceeds its count but the total does not, "fewer" when an exact
+    count is not reached, else "="."""
     keys = {(e.axis, e.phase, e.kind): e for e in expected}
+    totals: dict[tuple[str, str], list[int]] = {}
+    for key in set(keys) | set(counts):
+        t = totals.setdefault(key[:2], [0, 0])
+        t[0] += counts.get(key, 0)
+        t[1] += keys[key].count if key in keys else 0
+    rows = []
     for key in sorted(set(keys) | set(counts)):
         e = keys.get(key)
-        ours = counts.get(key, 0)
-        want = e.count if e else 0
+        ours, want = counts.get(key, 0), (e.count if e else 0)
+        more_total = totals[key[:2]][0] > totals[key[:2]][1]
         if ours > want:
-            verdict = "MORE"
+            verdict = "MORE" if more_total else "other kind"
         elif ours < want and e is not None and e.exact:
             verdict = "fewer"
         else:

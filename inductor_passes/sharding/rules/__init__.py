@@ -29,7 +29,7 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 from dynamo_dist import _compat  # noqa: F401  (its Inductor imports register the prims ops)
 from dynamo_dist.ops import MATMUL_ND
 
-from ..cost import BYTES_PER_FLOP, MATMUL_OPS, compute_cost
+from ..cost import ATTENTION_OPS, BYTES_PER_FLOP, MATMUL_OPS, node_compute_cost
 from ..placements import Placements, is_placements, replicate, shard_range
 from .attention import ATTENTION, attention_strategy
 from .base import (GETITEM, AxisOption, OpSpec, expand_multi_output, expand_to_mesh,
@@ -207,18 +207,17 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
 def has_node_cost(node: fx.Node) -> bool:
     """Whether ``node_cost`` can be nonzero for some OpSpec of ``node`` (the solver asks once
     per node, not per OpSpec)."""
-    return node.target in CONV or node.target in MOMENTS or str(node.target) in MATMUL_OPS
+    op = str(node.target)
+    return node.target in CONV or node.target in MOMENTS or op in MATMUL_OPS or \
+        op in ATTENTION_OPS
 
 
 def node_cost(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> float:
     """What running ``node`` under ``spec`` costs one rank besides its input redistributes
-    (bytes-equivalent, ``cost``'s unit): matmul and convolution flops, split over the mesh axes
-    the OpSpec splits the work on, and collectives an OpSpec runs inside the op (a variance over a
-    split dim: ``moments.in_op_cost``)."""
-    op = str(node.target)
-    if op in MATMUL_OPS and is_placements(spec.output):
-        k = tensor_args(node)[0].meta["val"].shape[-1]
-        return compute_cost(op, tuple(node.meta["val"].shape), k, spec.output, mesh_shape)
+    (bytes-equivalent, ``cost``'s unit): matmul and fused-attention flops
+    (``cost.node_compute_cost``), convolution flops, split over the mesh axes the OpSpec splits
+    the work on, and collectives an OpSpec runs inside the op (a variance over a split dim:
+    ``moments.in_op_cost``)."""
     if node.target in CONV:
         degree = 1
         for axis, n in enumerate(mesh_shape):  # work is split where any operand is
@@ -227,4 +226,4 @@ def node_cost(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> float:
         return conv_flops(node) / degree * BYTES_PER_FLOP
     if node.target in MOMENTS:
         return in_op_cost(node, spec, mesh_shape)
-    return 0.0
+    return node_compute_cost(node, spec.output, mesh_shape)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
