@@ -746,6 +746,20 @@ def functorch_config_patch(**entries) -> contextlib.AbstractContextManager:
     return config.patch(**{k: v for k, v in entries.items() if hasattr(config, k)})
 
 
+def reported_output_strides():
+    """Context manager yielding the list Inductor fills, on leaving ``compile_fx_inner``, with the
+    strides its compiled graph gives each output (None where unknown). Layout optimisation (a
+    channels-last convolution on CPU) may choose other strides than the FX graph traced; the
+    backward must be compiled for the strides the forward really saves (AOTAutograd does this
+    in ``_aot_stage2b_bw_compile``). Needs an active ``tracing`` context. (2.11, 2.13)"""
+    return TracingContext.report_output_strides()
+
+
+# Inductor keeps the traced strides only for outputs listed under this key of the output node's
+# meta ("user-visible"; compile_fx_forward/backward set it, compile_fx_inner does not). (2.13)
+USER_VISIBLE_OUTPUTS_META = "user_visible_output_idxs"
+
+
 def inductor_config_patch(entries: dict) -> contextlib.AbstractContextManager:
     from torch._inductor import config
 

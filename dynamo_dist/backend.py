@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from inductor_passes import layout
 from inductor_passes.compile import compile_joint
 from inductor_passes.lowering import lower
 from inductor_passes.sharding.placements import Placements, fmt, nbytes
@@ -46,6 +47,29 @@ class CompileRecord:
     seconds: dict[str, float]
     program: JointProgram
     step: DistStep | None
+
+    def activation_gathers(self, mesh_axis: str) -> list:
+        """Ledger entries that all_gather on ``mesh_axis`` anything but a parameter (a DTensor
+        input) or a view of one. On a data axis this should be empty: data parallelism gathers
+        parameters (FSDP) and never the batch."""
+        gm = self.program.graph_module
+        nodes = {n.name: n for n in gm.graph.nodes}
+        params = {f"primals_{k + 1}" for k, i in enumerate(self.program.primal_inputs)
+                  if i.kind == "dtensor"}
+
+        def is_param(name: str) -> bool:
+            node = nodes.get(name)
+            while node is not None and node.name not in params and \
+                    node.op == "call_function" and str(node.target) in _VIEWS:
+                node = node.args[0]
+            return node is not None and node.name in params
+
+        return [e for e in self.ledger.entries if e.kind == "all_gather" and
+                e.mesh_axis == mesh_axis and not is_param(e.value)]
+
+
+_VIEWS = {"aten.view.default", "aten.permute.default", "aten.t.default", "aten.alias.default",
+          "aten.unsqueeze.default", "aten.reshape.default", "aten._unsafe_view.default"}
 
 
 _RECORDS: list[CompileRecord] = []
@@ -194,15 +218,23 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
 
     has_bwd = torch.is_grad_enabled() and bool(program.diff_outputs) and \
         any(i.requires_grad for i in program.primal_inputs)
-    if simulate:
+    if simulate:  # FX graphs on LocalTensors: no stride checks, inputs pass as they are
         t = time.perf_counter()
         joint, ledger = simulated_joint(program.graph_module, plan, mesh,
                                         program.num_fwd_outputs, has_bwd)
         seconds["lower"] = time.perf_counter() - t
         return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd)
 
+    # the strides each input's local tensor arrives with (inductor_passes.layout)
+    coord, mesh_shape = mesh.get_coordinate(), tuple(mesh.shape)
+    in_strides = [layout.input_local_strides(
+        i.shape, i.stride, pl, mesh_shape, coord,
+        i.local_stride if i.kind == "dtensor" and tuple(i.placements) == tuple(pl) else None)
+        for i, pl in zip(program.primal_inputs, primal_pl)]
+
     t = time.perf_counter()
-    local_gm, ledger = lower(program.graph_module, plan, mesh, program.num_fwd_outputs)
+    local_gm, ledger = lower(program.graph_module, plan, mesh, program.num_fwd_outputs,
+                             primal_strides=in_strides)
     seconds["lower"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -219,29 +251,39 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
 
     joint = compile_joint(local_gm, program.num_fwd_outputs, has_bwd, inductor, check)
     seconds["inductor"] = time.perf_counter() - t - seconds.get("schedule check", 0.0)
-    return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd)
+    return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd,
+                   in_strides)
 
 
 def _finish(gm, program: JointProgram, plan: Plan, mesh, primal_pl, joint,
-            ledger: CollectiveLedger, seconds: dict[str, float], has_bwd: bool) -> DistStep:
-    """The runtime step around compiled (or simulated) local programs, recorded."""
+            ledger: CollectiveLedger, seconds: dict[str, float], has_bwd: bool,
+            in_strides: list | None = None) -> DistStep:
+    """The runtime step around compiled (or simulated) local programs, recorded.
+    ``in_strides``: the LOCAL strides the compiled graphs expect of each input (None: any)."""
     ledger.buckets, ledger.issued_by_kind = joint.buckets, joint.issued
+    coord, mesh_shape = mesh.get_coordinate(), tuple(mesh.shape)
 
     out_node = next(iter(program.graph_module.graph.find_nodes(op="output")))
     out_pl = list(plan.nodes[out_node.name].inputs[:program.num_fwd_outputs])
     fwd_outs = out_node.args[0][:program.num_fwd_outputs]
-    shapes, placements, it = [], [], iter(out_pl)
+    shapes, placements, strides, it = [], [], [], iter(out_pl)
     for o in fwd_outs:
         if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
-            shapes.append(tuple(o.meta["val"].shape))
-            placements.append(next(it))
+            val, pl = o.meta["val"], next(it)
+            shapes.append(tuple(val.shape))
+            placements.append(pl)
+            # lowering lays the local value out so (layout.output_strides)
+            strides.append(layout.output_strides(tuple(val.shape), val.stride(), pl, mesh_shape,
+                                                 coord)[1])
         else:
             shapes.append(None)
             placements.append(None)
+            strides.append(None)
     for i in program.local_outputs:  # to_local()/full_tensor() outputs: plain local tensors
         placements[i] = None
     step = DistStep(program.inputs, joint, mesh, primal_pl, placements, shapes,
-                    program.diff_outputs if has_bwd else [], program.mutated_inputs)
+                    program.diff_outputs if has_bwd else [], program.mutated_inputs,
+                    in_strides or (), strides)
     _RECORDS.append(CompileRecord(plan, ledger, seconds, program, step))
     _dump(len(_RECORDS), mesh, program, plan, joint)
     log.info("dynamo_dist: compiled graph (%s); %d collectives", 

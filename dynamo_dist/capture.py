@@ -48,6 +48,8 @@ class InputInfo:
     requires_grad: bool = False
     mesh: DeviceMesh | None = None
     placements: tuple[Placement, ...] | None = None
+    stride: tuple[int, ...] | None = None  # GLOBAL strides as the tensor arrived (DTensor: its own)
+    local_stride: tuple[int, ...] | None = None  # a DTensor's local tensor's strides, this rank
 
 
 @dataclasses.dataclass
@@ -82,7 +84,8 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
         name = str(names[i]) if i < len(names) else f"arg{i}"
         if isinstance(x, DTensor):
             infos.append(InputInfo(i, name, "dtensor", tuple(x.shape), x.dtype, x.requires_grad,
-                                   x.device_mesh, tuple(x.placements)))
+                                   x.device_mesh, tuple(x.placements), tuple(x.stride()),
+                                   tuple(x.to_local().stride())))
         elif isinstance(x, torch.Tensor):
             # a plain tensor is a global value; ``spmd.mark_sharding`` may have given it a
             # placement eagerly (each rank then receives its own piece)
@@ -90,7 +93,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
 
             mesh, pls = input_annotation(x) or (None, None)
             infos.append(InputInfo(i, name, "tensor", tuple(x.shape), x.dtype, x.requires_grad,
-                                   mesh, pls))
+                                   mesh, pls, tuple(x.stride())))
         elif isinstance(x, (torch.SymInt, torch.SymFloat)):
             # Dynamo made a Python number that changed between calls a graph input
             raise DistCompileError(
@@ -125,19 +128,13 @@ def find_mesh(infos: Sequence[InputInfo], example_inputs: Sequence[Any]) -> Devi
 
 
 def _global_fake(fake_mode, info: InputInfo, x: torch.Tensor) -> torch.Tensor:
+    """A fake of the input's GLOBAL value, laid out as it arrived (``info.stride``): the program
+    is traced as one device would run it (a transposed or channels-last input keeps its layout,
+    which decompositions and layout-reading ops see)."""
     local = x.to_local() if isinstance(x, DTensor) else x
-    t = torch.empty_strided(info.shape, contiguous_strides(info.shape), dtype=info.dtype,
-                            device=local.device)
+    t = torch.empty_strided(info.shape, info.stride, dtype=info.dtype, device=local.device)
     t = fake_mode.from_tensor(t, static_shapes=True)
     return t.requires_grad_(info.requires_grad)
-
-
-def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
 
 
 class _GlobalInterpreter(fx.Interpreter):
@@ -382,9 +379,14 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
         return (*flat, *grads)
 
     # out= overloads stay as they are (functionalisation rewrites them); their decompositions
-    # call the functional op with out= and fail
+    # call the functional op with out= and fail. Ops whose decomposition merges the dims a plan
+    # splits (max pool's backward views [N, C, ...] as [N * C, ...]) are planned whole; lowering
+    # decomposes them on local shapes, so Inductor still sees the decomposed form.
+    from inductor_passes.sharding.rules import PLANNED_WHOLE
+
     decomp = {op: fn for op, fn in _compat.select_decomp_table().items()
-              if not (hasattr(op, "_schema") and any(a.is_out for a in op._schema.arguments))}
+              if not (hasattr(op, "_schema") and any(a.is_out for a in op._schema.arguments))
+              and op not in PLANNED_WHOLE}
     with _compat.disable_local_tensor_mode(), _leaf_mutation_explained(tensor_infos):
         joint_gm = _compat.make_fx(
             joint,

@@ -18,6 +18,7 @@ class CollectiveEntry:
     cause: str         # e.g. "input 1 of aten.add.Tensor: [P(sum)] -> [R]"
     phase: str         # forward | backward
     source: str | None  # user file:line
+    value: str = ""    # the joint-graph value moved ("" for collectives inside an op)
 
 
 @dataclasses.dataclass

@@ -50,3 +50,28 @@ def token_batch(size: LlamaSize, step: int, seed: int = 1234) -> torch.Tensor:
     """A fixed random batch of token ids, [batch, seq], the same on every rank."""
     g = torch.Generator().manual_seed(seed + step)
     return torch.randint(0, size.vocab, (size.batch, size.seq), generator=g)
+
+
+class ConvNet(nn.Module):
+    """A small image classifier: Conv2d(3, 8, 3, padding 1) + BatchNorm2d + ReLU + MaxPool2d(2) +
+    Linear, cross_entropy loss. Input [batch, 3, 16, 16] (GLOBAL), labels [batch] in [0, 10)."""
+
+    def __init__(self, size: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(8 * (size // 2) ** 2, classes)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.pool(torch.relu(self.bn(self.conv(x))))
+        return nn.functional.cross_entropy(self.fc(h.flatten(1)), labels)
+
+
+def image_batch(step: int, batch: int = 4, size: int = 16, classes: int = 10,
+                seed: int = 4321) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed random batch (images [batch, 3, size, size], labels [batch]), the same on every
+    rank."""
+    g = torch.Generator().manual_seed(seed + step)
+    return (torch.randn(batch, 3, size, size, generator=g),
+            torch.randint(0, classes, (batch,), generator=g))

@@ -2,9 +2,13 @@
 
 Inputs: a DTensor is redistributed (eagerly, differentiably) to the plan's placement if it
 differs, then ``to_local()``; a plain tensor is passed whole (a global value; the graph slices it
-where the plan shards it). The compiled forward/backward run inside one autograd.Function.
-Outputs become DTensors with the planned placements (``from_local``), so a parameter's ``.grad``
-arrives as a DTensor in the parameter's own placement through ``to_local``'s backward.
+where the plan shards it). Each local tensor must have the strides the program was compiled for
+(``inductor_passes.layout``); one that arrives otherwise (a DTensor whose local tensor is laid
+out unlike its global strides, a redistributed piece) is copied into that layout first,
+differentiably. The compiled forward/backward run inside one autograd.Function. Outputs become
+DTensors with the planned placements and the strides the compiled graph gives them
+(``from_local``), so a parameter's ``.grad`` arrives as a DTensor in the parameter's own
+placement through ``to_local``'s backward.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
 
 from inductor_passes.compile import CompiledJoint
+from inductor_passes.layout import same_layout
 from inductor_passes.sharding.placements import Placements
 
-from .capture import InputInfo, contiguous_strides
+from .capture import InputInfo
 
 log = logging.getLogger("dynamo_dist")
 
@@ -56,19 +61,25 @@ class DistStep:
     def __init__(self, inputs: Sequence[InputInfo], joint: CompiledJoint, mesh,
                  input_placements: Sequence[Placements], output_placements: Sequence[Any],
                  output_shapes: Sequence[Any], diff_outputs: Sequence[int],
-                 mutated_inputs: Sequence[int] = ()) -> None:
+                 mutated_inputs: Sequence[int] = (), input_strides: Sequence[Any] = (),
+                 output_strides: Sequence[Any] = ()) -> None:
+        """``input_strides``: per tensor input, the LOCAL strides the compiled graph expects;
+        ``output_strides``: per forward output, the GLOBAL strides its DTensor declares (both
+        from ``inductor_passes.layout``)."""
         self.inputs = list(inputs)
         self.joint = joint
         self.mesh = mesh
         self.input_placements = list(input_placements)
         self.output_placements = list(output_placements)
         self.output_shapes = [torch.Size(s) if s is not None else None for s in output_shapes]
-        self.output_strides = [contiguous_strides(s) if s is not None else None
-                               for s in output_shapes]
+        self.output_strides = list(output_strides) or [None] * len(self.output_shapes)
         self.diff_outputs = list(diff_outputs)
-        # per call: which inputs are tensors, and the placement the plan wants for each
-        self._tensor_inputs = list(zip([i for i in self.inputs if i.kind != "constant"],
-                                       self.input_placements))
+        # per call: which inputs are tensors, the placement the plan wants for each, and the
+        # strides the compiled graph expects for its local tensor
+        tensor_infos = [i for i in self.inputs if i.kind != "constant"]
+        strides = list(input_strides) or [None] * len(tensor_infos)
+        self._tensor_inputs = list(zip(tensor_infos, self.input_placements))
+        self._input_strides = strides
         # inputs the program updates in place: their new values are the last forward outputs
         self.mutated_inputs = list(mutated_inputs)
         self.num_user_outputs = len(self.output_placements) - len(self.mutated_inputs)
@@ -77,7 +88,7 @@ class DistStep:
     def __call__(self, *args):
         self.calls += 1
         local = []
-        for info, want in self._tensor_inputs:
+        for (info, want), want_stride in zip(self._tensor_inputs, self._input_strides):
             x = args[info.index]
             if isinstance(x, DTensor):
                 if tuple(x.placements) != tuple(want):
@@ -89,7 +100,7 @@ class DistStep:
                 warn_if_annotation_changed(x, info)
                 x = DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim,
                                        run_check=False).redistribute(self.mesh, want).to_local()
-            local.append(x)
+            local.append(_restrided(x, want_stride))
         outs = _DistFunction.apply(self, *local)
         self._write_back(args, outs[self.num_user_outputs:])
         outs = outs[:self.num_user_outputs]
@@ -117,6 +128,15 @@ class DistStep:
                                                shape=x.shape, stride=x.stride()).full_tensor())
                 else:
                     x.copy_(new)
+
+
+def _restrided(x: torch.Tensor, stride) -> torch.Tensor:
+    """``x``, or a copy of it laid out with ``stride`` when its own strides differ (on a dim of
+    size > 1): the compiled graph checks them. Differentiable (the copy's gradient is ``x``'s)."""
+    if stride is None or same_layout(x.shape, x.stride(), stride):
+        return x
+    out = torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device)
+    return out.copy_(x)
 
 
 _WARNED: set[str] = set()

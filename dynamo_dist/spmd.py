@@ -167,7 +167,7 @@ def disable_manual_sharding(t: torch.Tensor, partition_spec: Sequence[Any],
     """This rank's LOCAL ``t`` -> the GLOBAL value of ``full_shape`` it is a piece of under
     ``partition_spec`` (GSPMD shard-to-full). Returns a DTensor (a global value). Raises
     ValueError on a bad spec."""
-    from .capture import contiguous_strides
+    from inductor_passes.layout import contiguous_strides
 
     dm, pls = _resolve(mesh, partition_spec, len(full_shape))
     return DTensor.from_local(t, dm, pls, run_check=False, shape=torch.Size(full_shape),

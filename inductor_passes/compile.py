@@ -39,20 +39,43 @@ def _example_inputs(gm: fx.GraphModule) -> list:
     return [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
 
 
-def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool) -> Callable:
+def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int,
+             inputs: list | None = None) -> tuple[Callable, list | None]:
+    """Compile one half; returns (boxed callable, strides of each output as compiled or None).
+
+    ``visible``: the first ``visible`` outputs keep the strides the graph traced (what the
+    runtime declares for them); Inductor may lay out the others (saved activations) as it likes
+    (a channels-last convolution output on CPU). ``inputs``: example inputs if not the
+    placeholders' traced values (the backward's saved activations, restrided)."""
     if not inductor:
         gm.recompile()
-        return lambda args: gm(*args)
-    inputs = _example_inputs(gm)
+        return (lambda args: gm(*args)), None
+    inputs = inputs if inputs is not None else _example_inputs(gm)
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    out.meta[_compat.USER_VISIBLE_OUTPUTS_META] = [
+        i for i, a in enumerate(out.args[0][:visible]) if isinstance(a, fx.Node)]
     fake_mode = _compat.detect_fake_mode(inputs)
     with _compat.tracing(_compat.TracingContext(fake_mode)), \
-            _compat.inductor_config_patch(comm.inductor_config()):
+            _compat.inductor_config_patch(comm.inductor_config()), \
+            _compat.reported_output_strides() as strides:
         compiled = _compat.compile_fx_inner(gm, inputs, is_backward=is_backward)
+        strides = list(strides)
 
     def run(args):
         return compiled(list(args))
 
-    return run
+    return run, strides
+
+
+def _restrided(inputs: list, strides: list | None) -> list:
+    """The backward's example inputs with each saved activation laid out as the compiled forward
+    really returns it (``strides``, one per saved value, None: as traced). Without this the
+    backward asserts the traced strides and fails on a channels-last convolution output."""
+    out = list(inputs)
+    for i, stride in enumerate(strides or []):
+        if stride is not None and i < len(out) and tuple(out[i].stride()) != tuple(stride):
+            out[i] = out[i].as_strided(out[i].shape, tuple(stride))  # a fake: no data moves
+    return out
 
 
 def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: bool,
@@ -69,8 +92,8 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
         fw = _strip_grads(local_gm, num_fwd_outputs)
         check([fw])
         buckets, issued = _buckets([fw], inductor)
-        return CompiledJoint(_compile(fw, inductor, False), None, num_fwd_outputs, 0, fw, None,
-                             buckets, issued)
+        return CompiledJoint(_compile(fw, inductor, False, num_fwd_outputs)[0], None,
+                             num_fwd_outputs, 0, fw, None, buckets, issued)
     _tag_forward(local_gm, num_fwd_outputs)
     fw_gm, bw_gm = _partitioner()(local_gm, None, num_fwd_outputs=num_fwd_outputs)
     for gm in (fw_gm, bw_gm):  # the partitioner leaves a dead copy of a forced-save collective's input
@@ -80,8 +103,13 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
     num_saved = len(fw_out) - num_fwd_outputs
     check([fw_gm, bw_gm])
     buckets, issued = _buckets([fw_gm, bw_gm], inductor)  # before Inductor rewrites the graphs
-    return CompiledJoint(_compile(fw_gm, inductor, False), _compile(bw_gm, inductor, True),
-                         num_fwd_outputs, num_saved, fw_gm, bw_gm, buckets, issued)
+    forward, fw_strides = _compile(fw_gm, inductor, False, num_fwd_outputs)
+    saved_strides = fw_strides[num_fwd_outputs:] if fw_strides is not None else None
+    bw_inputs = _restrided(_example_inputs(bw_gm), saved_strides)
+    backward, _ = _compile(bw_gm, inductor, True, len(bw_gm.graph.find_nodes(op="output")[0]
+                                                       .args[0]), bw_inputs)
+    return CompiledJoint(forward, backward, num_fwd_outputs, num_saved, fw_gm, bw_gm, buckets,
+                         issued)
 
 
 def _buckets(graphs: list[fx.GraphModule], inductor: bool

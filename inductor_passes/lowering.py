@@ -22,10 +22,12 @@ from dynamo_dist.errors import DistCompileError, describe_mesh, user_source
 from dynamo_dist.ledger import CollectiveEntry, CollectiveLedger
 from dynamo_dist.ops import MATMUL_ND
 
+from . import layout
 from .redistribute import AxisGroup, mesh_axes, redistribute
 from .sharding.placements import Placements, fmt, is_placements, local_shape, replicate
 from .sharding.propagate import Plan, replicate_source, tangent_dependent
-from .sharding.rules import GETITEM, tensor_args
+from .sharding.rules import GETITEM, OpSpec, tensor_args
+from .sharding.rules.moments import lower_split, splits_reduced_dim
 
 aten = torch.ops.aten
 # ops whose argument at this index is the GLOBAL output size
@@ -50,6 +52,11 @@ def size_arg(op) -> int | None:
         if a.name in _SIZE_ARG_NAMES:
             return i
     return None
+
+
+# multi-output ops whose argument at this index is the GLOBAL shape of one output:
+# convolution_backward's bias_sizes (the bias gradient, split with the output channels)
+_OUTPUT_SIZE_ARG = {aten.convolution_backward.default: (3, 2)}
 
 
 # ops run differently on local shards: views may need a copy (a gathered or re-sliced shard can
@@ -79,10 +86,14 @@ def _on_global_layout(target, meta: torch.Tensor, args, kwargs):
 
 
 def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
-          coordinate: Sequence[int] | None = None) -> tuple[fx.GraphModule, CollectiveLedger]:
+          coordinate: Sequence[int] | None = None,
+          primal_strides: Sequence[Sequence[int]] | None = None
+          ) -> tuple[fx.GraphModule, CollectiveLedger]:
     """Return the local joint graph of this rank (placeholders ``primals_*``, ``tangents_*``;
     outputs in the joint's order) and the ledger of the collectives it contains.
-    ``coordinate``: lower for the rank at this mesh coordinate instead of this process's."""
+    ``coordinate``: lower for the rank at this mesh coordinate instead of this process's.
+    ``primal_strides``: the LOCAL strides each primal arrives with (default: the global strides
+    for a value passed whole, else dense in the global dim order: ``layout``)."""
     axes = mesh_axes(mesh, coordinate)
     coord = [ax.coordinate for ax in axes]  # local shapes differ by rank where splits are uneven
     mesh_shape = plan.mesh_shape
@@ -95,10 +106,20 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
     fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
 
     def local_fake(node: fx.Node) -> torch.Tensor:
+        """A primal laid out as the runtime passes it (``layout.input_local_strides``); a
+        tangent contiguous (the runtime makes it so)."""
         val = node.meta["val"]
-        shape = local_shape(tuple(val.shape), plan.placement(node.name), mesh_shape, coord)
+        pls = plan.placement(node.name)
+        shape = local_shape(tuple(val.shape), pls, mesh_shape, coord)
+        if node in primals:
+            k = primals.index(node)
+            stride = layout.input_local_strides(
+                tuple(val.shape), val.stride(), pls, mesh_shape, coord,
+                primal_strides[k] if primal_strides is not None else None)
+        else:
+            stride = layout.contiguous_strides(shape)
         with fake_mode:
-            return torch.empty(shape, dtype=val.dtype, device=val.device)
+            return torch.empty_strided(shape, stride, dtype=val.dtype, device=val.device)
 
     def local_joint(primals_in, tangents_in):
         env: dict[fx.Node, Any] = dict(zip(primals, primals_in))
@@ -126,10 +147,21 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                         kind, ax.name, t.numel() * t.element_size(), consumer.name,
                         f"input {k} of {consumer.target}: {a.name} {fmt(cur)} -> {fmt(req)}",
                         phase or ("backward" if consumer in bwd else "forward"),
-                        user_source(a if consumer.op == "output" else consumer)))
+                        user_source(a if consumer.op == "output" else consumer), a.name))
                 cache[(a, req)] = redistribute(env[a], cur, req, axes, record,
                                                tuple(a.meta["val"].shape))
             return cache[(a, req)]
+
+        def in_op_reduce(node: fx.Node):
+            """Redistribute for collectives an OpSpec runs inside its op, recorded as the op's."""
+            def reduce(t: torch.Tensor, cur: Placements, req: Placements, shape) -> torch.Tensor:
+                def record(kind: str, ax: AxisGroup, x: torch.Tensor) -> None:
+                    ledger.add(CollectiveEntry(
+                        kind, ax.name, x.numel() * x.element_size(), node.name,
+                        f"{node.target} over a split dim: partial sums {fmt(cur)} -> {fmt(req)}",
+                        "backward" if node in bwd else "forward", user_source(node)))
+                return redistribute(t, cur, req, axes, record, tuple(shape))
+            return reduce
 
         for node in gm.graph.nodes:
             if node.op == "get_attr":  # a constant: every rank holds all of it (Replicate)
@@ -153,9 +185,17 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 args = list(args)
                 args[idx] = list(local_shape(tuple(node.meta["val"].shape), np.output, mesh_shape,
                                              coord))
+            idx, out_idx = _OUTPUT_SIZE_ARG.get(node.target, (None, None))
+            if idx is not None and args[idx] is not None and np.output[out_idx] is not None:
+                args = list(args)
+                args[idx] = list(local_shape(tuple(node.meta["val"][out_idx].shape),
+                                             np.output[out_idx], mesh_shape, coord))
             target = _LOCAL_IMPL.get(node.target, node.target)
+            spec = OpSpec(np.inputs, np.output, np.source)
             if node.target in _LAYOUT_READERS and np.inputs[0] == replicate(len(mesh_shape)):
                 out = _on_global_layout(target, targs[0].meta["val"], args, kwargs)
+            elif splits_reduced_dim(node, spec):  # a variance over a split dim (batch norm)
+                out = lower_split(node, local_in[targs[0]], spec, in_op_reduce(node))
             else:
                 out = target(*args, **kwargs)
             _check_local(node, out, np.output, mesh_shape, mesh, coord)
@@ -167,7 +207,11 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
         for k, o in enumerate(output.args[0]):
             if isinstance(o, fx.Node):
                 phase = "forward" if k < num_fwd_outputs else "backward"
-                results.append(moved(o, next(reqs), output, k, phase))
+                req = next(reqs)
+                out = moved(o, req, output, k, phase)
+                if k < num_fwd_outputs and isinstance(out, torch.Tensor) and is_placements(req):
+                    out = _laid_out(out, o.meta["val"], req, mesh_shape, coord)
+                results.append(out)
             else:
                 results.append(o)
         return results
@@ -183,6 +227,17 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
     local_gm.graph._codegen = fx.graph.CodeGen()
     local_gm.recompile()
     return local_gm, ledger
+
+
+def _laid_out(out: torch.Tensor, val: torch.Tensor, placements: Placements,
+              mesh_shape: Sequence[int], coord: Sequence[int]) -> torch.Tensor:
+    """A forward output's local value in the layout the runtime declares for it (dense, in the
+    dim order of the GLOBAL value the program traced: ``layout.output_strides``); a copy only
+    where lowering produced another layout (a gathered value is contiguous)."""
+    want, _ = layout.output_strides(tuple(val.shape), val.stride(), placements, mesh_shape, coord)
+    if layout.same_layout(tuple(out.shape), out.stride(), want):
+        return out
+    return torch.ops.prims.copy_strided.default(out, list(want))
 
 
 def _check_local(node: fx.Node, out, placements, mesh_shape: Sequence[int], mesh,

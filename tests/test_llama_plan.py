@@ -105,16 +105,19 @@ def test_fsdp_tp_plan_avoids_nested_dims(fake_mesh):
     records = _compile_step(model, size)
     ledger = sum((r.ledger.entries for r in records), [])
     # data parallelism on dp (FSDP): the forward gathers parameters there and reduces nothing
-    # but the 4-byte loss; activations never cross dp (the batch stays split); the backward
-    # re-gathers parameters and reduce-scatters every gradient into its dp shard
+    # but the 4-byte loss and the 8-byte count of valid labels it divides by; activations never
+    # cross dp (the batch stays split; the label mask was gathered before the count could be a
+    # pending integer sum); the backward re-gathers parameters and reduce-scatters every
+    # gradient into its dp shard
     params = {tuple(p.to_local().shape) for p in model.parameters()}
     for e in ledger:
         if e.mesh_axis != "dp":
             continue
         if e.kind == "all_reduce":
-            assert e.phase == "forward" and e.bytes == 4, e
+            assert e.phase == "forward" and e.bytes in (4, 8), e
         else:
             assert e.kind in ("all_gather", "reduce_scatter"), e
+    assert not any(r.activation_gathers("dp") for r in records)
     fwd_dp = [e for e in ledger if e.phase == "forward" and e.mesh_axis == "dp"]
     bwd_dp = [e for e in ledger if e.phase == "backward" and e.mesh_axis == "dp"]
     assert sum(e.kind == "all_gather" for e in fwd_dp) >= len(params)

@@ -36,6 +36,16 @@ def test_two_rank_fsdp_bucketed_collectives():
     assert m and float(m.group(1)) <= 1e-4, out
 
 
+def test_two_rank_convnet_parity_under_inductor():
+    """Conv + BatchNorm + MaxPool + Linear, FSDP on dp=2 with Inductor and AdamW: losses within
+    1e-5 of one process's, first-step gradients and running statistics equal (BatchNorm
+    statistics over the global batch), no activation gathered on dp. (DDP: ``--ddp``.)"""
+    out = torchrun("train_parity.py", 2, "--model", "cnn", "--mesh", "dp=2", "--inductor", "1"
+                   ).stdout
+    m = re.search(r"max relative loss difference ([0-9.e+-]+)", out)
+    assert m and float(m.group(1)) <= 1e-5, out
+
+
 def test_every_redistribute_on_a_2x2_mesh():
     out = torchrun("redistribute_all.py", 4).stdout
     m = re.search(r"REDISTRIBUTE OK (\d+) pairs", out)

@@ -21,9 +21,9 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial
 
-from .cost import ATTENTION_OPS, MATMUL_OPS, axis_weights, node_compute_cost, redistribute_cost
+from .cost import axis_weights, redistribute_cost
 from .placements import Placements, fmt, is_placements, nbytes, nonpartial, replicate
-from .rules import GETITEM, OpSpec, op_strategy, replicated_spec, tensor_args
+from .rules import GETITEM, OpSpec, node_cost, op_strategy, replicated_spec, tensor_args
 
 log = logging.getLogger("dynamo_dist.sharding")
 
@@ -363,7 +363,6 @@ class _Walk:
                 specs = [replicated_spec(node, ndim, "fallback")]
                 origin = "fallback: no rule"
             best, best_key = specs[0], None
-            priced = str(node.target) in MATMUL_OPS or str(node.target) in ATTENTION_OPS
             for spec in specs:
                 srcs = [replicate_source(a, r, env) for a, r in zip(targs, spec.inputs)]
                 have = [r == env[a] or r in available.get(a, ()) or r in hints.get(a, ())
@@ -378,8 +377,7 @@ class _Walk:
                 cost += (node in self.bwd) * _debt(node, spec.output, mesh_shape) - sum(
                     _debt(a, r, mesh_shape) for a, c, r in zip(targs, current, spec.inputs)
                     if r == c and _has_partial(r) and len(a.users) == 1)
-                if priced:
-                    cost += node_compute_cost(node, spec.output, mesh_shape)
+                cost += node_cost(node, spec, mesh_shape)
                 # ties: fewer new redistributes, then no pending reduction. (Preferring the more
                 # sharded output here slices replicated activations for free and pays gathers
                 # later; DTensor's eager choice, keep the inputs' placements, is the better bet.)

@@ -14,9 +14,10 @@ Variables and constraints, each built by the function named:
   a cotangent takes its forward output's placement with Partial reduced (JAX's rule).
 
 Objective (``_objective``): sum of redistribute cost * y (cost.redistribute_cost, parameters'
-gathers priced with the memory factor) + matmul and attention compute per rank
-(cost.node_compute_cost) + the cost of bringing each graph output to its required placement
-(forward outputs non-Partial, gradients in their parameter's placement). Solved with HiGHS through scipy.optimize.milp.
+gathers priced with the memory factor) + what each OpSpec costs itself (rules.node_cost: matmul,
+fused-attention and convolution compute per rank, collectives inside an op) + the cost of
+bringing each graph output to its required placement (forward outputs non-Partial, gradients in
+their parameter's placement). Solved with HiGHS through scipy.optimize.milp.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch.fx as fx
 
-from .cost import ATTENTION_OPS, MATMUL_OPS, node_compute_cost
 from .placements import Placements, is_placements, nonpartial, replicate
-from .rules import GETITEM, OpSpec, op_strategy, replicated_spec, tensor_args
+from .rules import (GETITEM, OpSpec, has_node_cost, node_cost, op_strategy, replicated_spec,
+                    tensor_args)
 
 log = logging.getLogger("dynamo_dist.sharding")
 
@@ -50,11 +51,6 @@ def _agrees(spec: OpSpec, base: OpSpec, free_axis: int | None) -> bool:
 
     return same(spec.output, base.output) and len(spec.inputs) == len(base.inputs) and \
         all(same(x, y) for x, y in zip(spec.inputs, base.inputs))
-
-
-def _priced(node: fx.Node) -> bool:
-    op = str(node.target)
-    return op in MATMUL_OPS or op in ATTENTION_OPS
 
 
 class _TooLarge(Exception):
@@ -276,9 +272,9 @@ class ShardingILP:
         cost.extend(extra_cost)
         # _objective: compute, and outputs to their required placements
         for n in nodes:
-            if n.op == "call_function" and _priced(n):
+            if n.op == "call_function" and has_node_cost(n):
                 for s, spec in enumerate(self.options[n]):
-                    cost[xi[(n, s)]] += node_compute_cost(n, spec.output, self.mesh_shape)
+                    cost[xi[(n, s)]] += node_cost(n, spec, self.mesh_shape)
         for i, o in enumerate(self.outs):
             if not isinstance(o, fx.Node) or o not in self.options:
                 continue

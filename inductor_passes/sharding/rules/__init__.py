@@ -11,9 +11,11 @@ OpSpec records which one produced it (``source``):
 2. DTensor's strategy registry, through ``rules.dtensor`` (views, reductions, embedding, ...);
 3. none: the op runs replicated (every input all-gathered), which propagation logs with its cost.
 
-Each family lives in its own module (``pointwise``, ``matmul``, ``attention``, ``indexing``,
-``grouped_mm``, ``manual``, ``dtensor``); this module dispatches a node to its family and applies
-the filters every OpSpec must pass (``op_strategy``).
+Each family lives in its own module (``pointwise``, ``matmul``, ``attention``, ``conv``,
+``pool``, ``moments``, ``indexing``, ``grouped_mm``, ``manual``, ``dtensor``); this module
+dispatches a node to its family, applies the filters every OpSpec must pass (``op_strategy``),
+and prices what an OpSpec costs beyond its input redistributes (``node_cost``: compute,
+collectives inside the op).
 """
 
 from __future__ import annotations
@@ -27,20 +29,24 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 from dynamo_dist import _compat  # noqa: F401  (its Inductor imports register the prims ops)
 from dynamo_dist.ops import MATMUL_ND
 
+from ..cost import ATTENTION_OPS, BYTES_PER_FLOP, MATMUL_OPS, node_compute_cost
 from ..placements import Placements, is_placements, replicate, shard_range
 from .attention import ATTENTION, attention_strategy
 from .base import (GETITEM, AxisOption, OpSpec, expand_multi_output, expand_to_mesh,
                    replicated_spec, tensor_args, val_shape)
+from .conv import CONV, conv_flops, conv_strategy
 from .dtensor import dtensor_strategy
 from .grouped_mm import GROUPED_MM, grouped_mm_strategy
 from .indexing import INDEXING, slice_scatter_strategy
 from .manual import manual_strategy
 from .matmul import EINSUM, einsum_strategy
+from .moments import MOMENTS, in_op_cost, moments_strategy
+from .pool import PLANNED_WHOLE, POOL, pool_strategy
 from .pointwise import REVERSE, is_pointwise, is_random, pointwise_strategy, reverse_strategy
 
 __all__ = ["GETITEM", "AxisOption", "OpSpec", "expand_multi_output", "expand_to_mesh",
-           "is_pointwise", "is_random", "op_strategy", "replicated_spec", "tensor_args",
-           "val_shape"]
+           "PLANNED_WHOLE", "has_node_cost", "is_pointwise", "is_random", "node_cost", "op_strategy",
+           "replicated_spec", "tensor_args", "val_shape"]
 
 aten = torch.ops.aten
 
@@ -70,7 +76,7 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
 
 # rules whose kernels compute right on an empty local piece (0 rows of a matmul, of a sum)
 _EMPTY_OK = ("pointwise", "einsum:", "reverse", "slice_scatter", "index_put", "scatter",
-             "gather", "histc", "cumsum", "grouped_mm_fallback", "masked_index")
+             "gather", "histc", "cumsum", "grouped_mm_fallback", "masked_index", "moments")
 
 
 def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> bool:
@@ -183,6 +189,12 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
         return grouped_mm_strategy(node, mesh_shape)
     if op in ATTENTION:
         return attention_strategy(node, mesh_shape)
+    if op in CONV:
+        return conv_strategy(node, mesh_shape)
+    if op in POOL:
+        return pool_strategy(node, mesh_shape)
+    if op in MOMENTS:
+        return moments_strategy(node, mesh_shape)
     if op in REVERSE:
         return reverse_strategy(node, mesh_shape)
     if is_pointwise(op):
@@ -190,3 +202,28 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
     return dtensor_strategy(node, current, mesh, mesh_shape)
 
 
+
+
+def has_node_cost(node: fx.Node) -> bool:
+    """Whether ``node_cost`` can be nonzero for some OpSpec of ``node`` (the solver asks once
+    per node, not per OpSpec)."""
+    op = str(node.target)
+    return node.target in CONV or node.target in MOMENTS or op in MATMUL_OPS or \
+        op in ATTENTION_OPS
+
+
+def node_cost(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> float:
+    """What running ``node`` under ``spec`` costs one rank besides its input redistributes
+    (bytes-equivalent, ``cost``'s unit): matmul and fused-attention flops
+    (``cost.node_compute_cost``), convolution flops, split over the mesh axes the OpSpec splits
+    the work on, and collectives an OpSpec runs inside the op (a variance over a split dim:
+    ``moments.in_op_cost``)."""
+    if node.target in CONV:
+        degree = 1
+        for axis, n in enumerate(mesh_shape):  # work is split where any operand is
+            if any(type(p[axis]) is Shard or isinstance(p[axis], Partial) for p in spec.inputs):
+                degree *= n
+        return conv_flops(node) / degree * BYTES_PER_FLOP
+    if node.target in MOMENTS:
+        return in_op_cost(node, spec, mesh_shape)
+    return node_compute_cost(node, spec.output, mesh_shape)

@@ -70,7 +70,9 @@ def expand_to_mesh(options: Sequence[AxisOption], mesh_shape: Sequence[int], in_
 def expand_multi_output(options, mesh_shape: Sequence[int], in_shapes, out_shapes,
                         source: str) -> list[OpSpec]:
     """``expand_to_mesh`` for ops with several tensor outputs: each option is
-    (per tensor arg, per output) on one axis; OpSpec.output is a tuple of Placements."""
+    (per tensor arg, per output) on one axis; OpSpec.output is a tuple of Placements. An output
+    whose shape is None (an output the op does not compute: convolution_backward's masked
+    gradients) gets None."""
     return expand_per_axis([options] * len(mesh_shape), mesh_shape, in_shapes, out_shapes, source)
 
 
@@ -81,9 +83,10 @@ def expand_per_axis(per_axis, mesh_shape: Sequence[int], in_shapes, out_shapes,
     specs = []
     for combo in itertools.product(*per_axis):
         ins = tuple(tuple(opt[0][i] for opt in combo) for i in range(len(in_shapes)))
-        outs = tuple(tuple(opt[1][j] for opt in combo) for j in range(len(out_shapes)))
-        if all(valid_for(s, p, mesh_shape) for s, p in zip(out_shapes, outs)) and all(
-                valid_for(s, p, mesh_shape) for s, p in zip(in_shapes, ins)):
+        outs = tuple(tuple(opt[1][j] for opt in combo) if out_shapes[j] is not None else None
+                     for j in range(len(out_shapes)))
+        if all(valid_for(s, p, mesh_shape) for s, p in zip(out_shapes, outs) if s is not None) \
+                and all(valid_for(s, p, mesh_shape) for s, p in zip(in_shapes, ins)):
             specs.append(OpSpec(ins, outs, source))
     return specs
 
