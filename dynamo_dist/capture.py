@@ -220,9 +220,7 @@ class _GlobalInterpreter(fx.Interpreter):
 
     def _from_local(self, x, device_mesh=None, placements=None, *, run_check=False, shape=None,
                     stride=None):
-        from torch.distributed.tensor.placement_types import Shard
-
-        from inductor_passes.sharding.placements import normalize
+        from inductor_passes.sharding.placements import is_split, normalize
 
         from .annotations import encode_spec, exit_manual
 
@@ -249,7 +247,7 @@ class _GlobalInterpreter(fx.Interpreter):
         if shape is None:
             full = list(x.shape)
             for axis, p in enumerate(pls):
-                if isinstance(p, Shard):
+                if is_split(p):
                     full[p.dim] *= mesh.shape[axis]
             shape = full
         out = exit_manual(x, encode_spec(mesh, pls), [int(s) for s in shape])

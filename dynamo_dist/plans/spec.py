@@ -17,6 +17,8 @@ from typing import Any, Mapping, Sequence
 from torch.distributed.tensor import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from inductor_passes.sharding.placements import fmt, is_strided
+
 from ..errors import DistCompileError, describe_mesh
 
 
@@ -80,8 +82,19 @@ def validate_placements(what: str, shape: Sequence[int], mesh: DeviceMesh,
                 fail(f"Shard({p.dim}) on mesh axis '{names[axis]}' but the tensor has "
                      f"{len(shape)} dims",
                      f"use Shard(d) with 0 <= d < {len(shape)}, or Replicate()")
+        elif is_strided(p):
+            k, n = p.split_factor, mesh.size(axis)
+            if not -len(shape) <= p.dim < len(shape):
+                fail(f"{p!r} on mesh axis '{names[axis]}' but the tensor has {len(shape)} dims",
+                     f"use a dim d with 0 <= d < {len(shape)}")
+            elif not isinstance(k, int) or k < 1 or shape[p.dim] % (k * n):
+                fail(f"{p!r} on mesh axis '{names[axis]}' (size {n}): dim {p.dim} of size "
+                     f"{shape[p.dim]} is not {k} blocks each split evenly in {n}",
+                     f"use a split_factor k (the number of fused parts) with k x {n} dividing "
+                     f"{shape[p.dim]}, or Shard({p.dim})")
         elif not isinstance(p, (Replicate, Partial)):
-            fail(f"unsupported placement {p!r}", "use Shard(d), Replicate() or Partial()")
+            fail(f"unsupported placement {p!r}",
+                 "use Shard(d), _StridedShard(d, split_factor=k), Replicate() or Partial()")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,7 +185,7 @@ def format_decisions(decisions: Sequence[ParamDecision]) -> str:
     lines = [f"{'parameter':<48} {'shape':<16} {'axis':<5} {'placement':<10} {'role':<11} reason"]
     for d in rows:
         name = d.names[0] + (f" (= {', '.join(d.names[1:])})" if len(d.names) > 1 else "")
-        pl = f"S({d.placement.dim})" if isinstance(d.placement, Shard) else "R"
+        pl = fmt((d.placement,))[1:-1]
         lines.append(f"{name:<48} {str(d.shape):<16} {d.axis:<5} {pl:<10} {d.role:<11} "
                      f"{d.reason}")
     return "\n".join(lines)
