@@ -54,7 +54,7 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
     ``current`` holds the placements its tensor inputs have now (DTensor's rules need them to
     enumerate). ``constraint_of`` returns the placements a sharding-constraint node pins.
     ``strided_in``: the _StridedShard split factors in play (``rules.strided``; default: those
-    in ``current``).
+    in ``current``, as if the program pinned them).
     """
     def kept(specs):
         specs = with_strided(node, specs, strided_in, mesh_shape)
@@ -62,7 +62,8 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
                 _one_placement_per_value(node, s) and _uneven_aligned(node, s, mesh_shape)]
 
     if strided_in is None:
-        strided_in = Strided(strided_factors(current))
+        found = strided_factors(current)
+        strided_in = Strided(found, found)
     twin = [shard_twin(c) for c in current]  # rules see Shard; SS options are lifted back
     specs = _op_strategy(node, twin, mesh, mesh_shape, constraint_of)
     if twin != list(current) and node.target in RESHAPES:
