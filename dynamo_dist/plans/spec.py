@@ -97,6 +97,28 @@ def validate_placements(what: str, shape: Sequence[int], mesh: DeviceMesh,
                  "use Shard(d), _StridedShard(d, split_factor=k), Replicate() or Partial()")
 
 
+def refuse_strided_nesting(what: str, shape: Sequence[int], mesh: DeviceMesh,
+                           placements: Sequence[Placement], source: str | None = None) -> None:
+    """Raise DistCompileError when a tensor dim is split by two mesh axes and one of them is a
+    _StridedShard (DTensor's right-to-left FSDP2-over-TP layout): a value pinned inside the
+    program must be one the compiler lowers exactly, and nested strided splits are not (a
+    parameter in that layout is fine: DTensor regathers it at the program boundary)."""
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    by_dim: dict[int, list[int]] = {}
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard) or is_strided(p):
+            by_dim.setdefault(p.dim % max(len(shape), 1), []).append(axis)
+    for dim, axes in by_dim.items():
+        if len(axes) > 1 and any(is_strided(placements[a]) for a in axes):
+            raise DistCompileError(
+                f"{what}: tensor dim {dim} is split by mesh axes "
+                f"{', '.join(repr(names[a]) for a in axes)} and one of them is block-strided "
+                f"(_StridedShard); nested splits of a dim are not planned", source=source,
+                shapes=[shape], mesh=describe_mesh(mesh), placements=list(placements),
+                fix="split that dim on one mesh axis only (another dim on the other), or pin "
+                    "Replicate on one of them")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShardingPlan:
     """Placements for a module's parameters, inputs and outputs.
