@@ -13,7 +13,8 @@ OpSpec records which one produced it (``source``):
 
 Each family lives in its own module (``pointwise``, ``matmul``, ``attention``, ``indexing``,
 ``manual``, ``dtensor``); this module dispatches a node to its family and applies the filters
-every OpSpec must pass (``op_strategy``).
+every OpSpec must pass (``op_strategy``). Block-strided sharding (``_StridedShard``) is added on
+top of every family by ``strided``: rules are asked with its Shard twin and their answers lifted.
 """
 
 from __future__ import annotations
