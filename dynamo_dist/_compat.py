@@ -116,6 +116,34 @@ def current_compile_id() -> str | None:
     return None if cid is None else str(cid)
 
 
+def sdpa_takes_math_path(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                         scale=None, enable_gqa=False) -> bool:
+    """Whether ``F.scaled_dot_product_attention`` on these (fake) tensors dispatches to its math
+    path: ``torch._fused_sdp_choice`` (0 is math; checked on torch 2.11 and 2.13) asked about
+    real probe tensors with the same shapes, dtypes, requires_grad and unit last-dim strides --
+    under a fake mode it answers math for everything. A probe is one row expanded (no memory);
+    a meta tensor is probed on the CPU, the device a meta-device plan stands for."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
+        return False
+
+    def probe(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        device = "cpu" if t.device.type == "meta" else t.device
+        row = torch.empty((1,) * (t.dim() - 1) + tuple(t.shape[-1:]), dtype=t.dtype,
+                          device=device, requires_grad=t.requires_grad and t.is_floating_point())
+        return row.expand(t.shape)
+
+    kwargs = {"scale": scale, "enable_gqa": enable_gqa} if enable_gqa else {"scale": scale}
+    # a question about the call, not part of the program: nothing here is traced or faked
+    with disable_proxy_modes_tracing(), unset_fake_temporarily():
+        args = [probe(t) for t in (query, key, value, attn_mask)]
+        return int(torch._fused_sdp_choice(*args, dropout_p, is_causal, **kwargs)) == 0
+
+
 def preserve_backward_stack_traces(grad_fns: list) -> None:
     """Autograd hooks that give each backward node the forward node's stack trace while a joint
     graph is traced (AOTAutograd's own mechanism; checked on torch 2.11 and 2.13)."""
@@ -254,11 +282,8 @@ def install_dynamo_tracing_fallback() -> None:
                 if not op_schema.is_inplace_op():
                     raise _untraceable(op_schema, exc) from exc
                 return _inplace_keeping_placements(prop, op_schema, replicated, exc)
-        op = op_schema.op
-        if torch.Tag.dynamic_output_shape in op.tags or torch.Tag.data_dependent_output in op.tags:
-            raise _untraceable(op_schema, RuntimeError(
-                "its output shape or value depends on tensor data, which a plan made at "
-                "compile time cannot know"))
+        if data_dependent(op_schema.op, op_schema.args_schema, op_schema.kwargs_schema):
+            raise _data_dependent_error(op_schema)
         rep = _replicated_schema(op_schema, replicated)
         state["substituted"] = True
         try:
@@ -437,6 +462,89 @@ def _replicating_handler(handler):
     run = torch.compiler.disable(run)
     run._dynamo_dist_original = handler
     return run
+
+
+def data_dependent(op, args, kwargs) -> bool:
+    """Whether ``op`` on these arguments has an output shape (or a Python value) that depends on
+    tensor DATA, which a plan made at compile time cannot know.
+
+    ``args``/``kwargs``: the op's arguments; tensors may be DTensorSpecs, tensors or FX nodes
+    (anything with a dtype: ``tensor_meta.dtype``, ``dtype`` or ``meta["val"].dtype``).
+    Ops tagged ``data_dependent_output`` (allclose, equal, item) always are. Of those tagged
+    ``dynamic_output_shape``, three are data dependent only for some arguments (torch 2.13's
+    fake tensors give them a static shape otherwise: ``_subclasses/fake_impls.py`` excludes
+    index.Tensor, nonzero and repeat_interleave.Tensor from its blanket ``dyn_shape`` rule,
+    and ``meta_index_Tensor`` calls nonzero only on boolean/byte masks):
+
+    - ``aten.index.Tensor``: only with a bool/uint8 mask among the indices (``x[perm]`` with
+      integer indices has the indices' shape);
+    - ``aten.repeat_interleave.Tensor``: only without ``output_size``;
+    - ``aten.nonzero``: always.
+    """
+    if torch.Tag.data_dependent_output in op.tags:
+        return True
+    if torch.Tag.dynamic_output_shape not in op.tags:
+        return False
+    aten = torch.ops.aten
+    if op is aten.index.Tensor:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(_dtype_of(i) in (torch.bool, torch.uint8) for i in indices if i is not None)
+    if op is aten.repeat_interleave.Tensor:
+        return (kwargs.get("output_size") if len(args) < 3 else args[2]) is None
+    return True
+
+
+def _dtype_of(x):
+    meta = getattr(x, "tensor_meta", None)
+    if meta is not None:
+        return meta.dtype
+    if hasattr(x, "meta") and isinstance(getattr(x, "meta"), dict):  # an FX node
+        return getattr(x.meta.get("val"), "dtype", None)
+    return getattr(x, "dtype", None)
+
+
+# how to write each data-dependent op with a static shape (the fix of its error)
+_STATIC_FIX = {
+    "index": "boolean-mask indexing x[mask] has as many rows as mask has True values: keep "
+             "the shape with torch.where(mask[..., None], x, 0), or index with integer "
+             "indices of a fixed count (topk/sort/argsort results)",
+    "masked_select": "use torch.where(mask, x, 0) (same shape as x)",
+    "nonzero": "use torch.nonzero_static(x, size=N, fill_value=-1), or a mask with torch.where "
+               "(a mixture of experts' token dispatch: a static-shape experts path, e.g. "
+               "transformers' experts_implementation=\"grouped_mm\" or \"batched_mm\")",
+    "argwhere": "use torch.nonzero_static(x, size=N, fill_value=-1)",
+    "bincount": "use torch.histc(x.float(), bins=N, min=0, max=N - 1), or "
+                "torch.zeros(N).scatter_add_(0, x, torch.ones_like(x, dtype=torch.float))",
+    "repeat_interleave": "pass output_size= (the total number of repeats) so the shape is known",
+    "unique": "compute it outside the compiled region; unique has no static-shape form",
+    "unique_consecutive": "compute it outside the compiled region",
+    "_local_scalar_dense": "keep the value a tensor (x.item(), x.tolist(), int(x) read a number "
+                           "the plan cannot know), or compute it outside the compiled region",
+    "_unique2": "compute it outside the compiled region; unique has no static-shape form",
+}
+
+
+def _data_dependent_error(op_schema) -> Exception:
+    """The DistCompileError for a data-dependent op met while Dynamo traces for dist: names the
+    op, the argument shapes/dtypes (global), mesh, placements, and the static-shape form."""
+    from .errors import DistCompileError
+
+    op = op_schema.op
+    specs = [s for s in pytree.tree_leaves((op_schema.args_schema, op_schema.kwargs_schema))
+             if isinstance(s, DTensorSpec)]
+    shapes = [tuple(s.tensor_meta.shape) for s in specs if s.tensor_meta is not None]
+    dtypes = ", ".join(str(s.tensor_meta.dtype).replace("torch.", "") for s in specs
+                       if s.tensor_meta is not None)
+    name = op._schema.name.split("::")[-1]
+    fix = _STATIC_FIX.get(name, "compute it outside the compiled region, or write it with a "
+                                "static output shape")
+    what = ("its output shape depends on tensor data" if torch.Tag.dynamic_output_shape in op.tags
+            else "its output (a Python value) depends on tensor data")
+    return DistCompileError(
+        f"{op} cannot be traced for the dist backend: {what} ({dtypes}), which a plan made at "
+        f"compile time cannot know", op=op, shapes=shapes,
+        mesh=specs[0].mesh if specs else None,
+        placements=", ".join(str(tuple(s.placements)) for s in specs), fix=fix)
 
 
 def _untraceable(op, exc: Exception) -> Exception:

@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from . import _compat
 from .errors import DistCompileError, user_source
-from .ops import matmul_nd, wants_matmul_nd
+from .ops import attention_math, matmul_nd, wants_matmul_nd
 
 log = logging.getLogger("dynamo_dist")
 
@@ -178,6 +178,9 @@ class _GlobalInterpreter(fx.Interpreter):
             return self._from_local(*args, **kwargs)
         if target is torch.matmul and not kwargs and wants_matmul_nd(*args):
             return self._local_aware(lambda a, k: matmul_nd(*a), args, kwargs)
+        if target is torch.nn.functional.scaled_dot_product_attention and \
+                _compat.sdpa_takes_math_path(*args, **kwargs):
+            return self._local_aware(lambda a, k: attention_math(*a, **k), args, kwargs)
         return self._local_aware(lambda a, k: super(_GlobalInterpreter, self).call_function(
             target, a, k), args, kwargs)
 

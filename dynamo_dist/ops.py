@@ -5,9 +5,14 @@
 sharded, the merged dim B*H has no plain placement and propagation would have to gather. Capture
 swaps such matmuls for this op, whose rule is the einsum ``...mk,...kn->...mn``; lowering turns it
 back into ``torch.matmul`` on local shapes, so Inductor never sees it.
+
+``attention_math``: SDPA's math path written with ``matmul_nd``, for the calls the fused kernel
+does not take (dropout, a mask that requires grad, other head dims).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -41,3 +46,39 @@ def wants_matmul_nd(a, b) -> bool:
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.ndim == b.ndim
             and a.ndim >= 4 and a.shape[:-2] == b.shape[:-2])
 
+
+
+def attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                   is_causal: bool = False, scale: float | None = None,
+                   enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``'s math path, step for step as torch's
+    ``_scaled_dot_product_attention_math`` computes it (so the same numbers and random draws),
+    with its two batched matmuls as ``matmul_nd``: torch's own decomposition views [B, H, L, E]
+    as [B*H, L, E] for ``bmm``, which hides the head dim from the sharding rules and makes a
+    head-parallel attention with dropout (BERT, T5 as shipped) gather q, k and v. Shapes as
+    SDPA's: [*B, H, L, E] x [*B, Hkv, S, E] x [*B, Hkv, S, Ev] -> [*B, H, L, Ev]."""
+    length, source, width = query.size(-2), key.size(-2), query.size(-1)
+    negative = scale is not None and scale < 0
+    factor = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(width))
+    query = query * (-factor if negative else factor)
+    if is_causal:
+        attn_mask = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), 0.0).to(query.dtype)
+    if enable_gqa and key.size(-3) != query.size(-3):
+        repeat = query.size(-3) // key.size(-3)
+        key = key.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    key_t = key.transpose(-2, -1) * factor
+    attn = _batched_matmul(query, key_t)
+    if attn_mask is not None:
+        attn = attn + attn_mask
+    attn = torch.ops.aten._safe_softmax(attn, -1)
+    if dropout_p > 0.0:
+        attn = torch.nn.functional.dropout(attn, dropout_p, training=True)
+    return _batched_matmul(attn, value)
+
+
+def _batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return matmul_nd(a, b) if wants_matmul_nd(a, b) else torch.matmul(a, b)

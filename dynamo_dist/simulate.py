@@ -56,11 +56,13 @@ def _collective(target, args_by_rank: dict, groups: Groups) -> dict:
         elif target is c10d.all_reduce.default:
             op = args[1]
             stacked = torch.stack(peers)
-            out[coord] = {"sum": stacked.sum(0), "avg": stacked.mean(0),
-                          "max": stacked.amax(0), "min": stacked.amin(0)}[op]
+            reduced = {"sum": stacked.sum, "avg": stacked.mean, "max": stacked.amax,
+                       "min": stacked.amin}[op](0)
+            out[coord] = reduced.to(stacked.dtype)  # a collective keeps its dtype (sum of ints
+            #                                         promotes to int64 in torch)
         elif target is c10d.reduce_scatter_tensor.default:
             total = torch.stack(peers).sum(0) if args[1] == "sum" else torch.stack(peers).mean(0)
-            out[coord] = total.chunk(len(peers), dim=0)[k].contiguous()
+            out[coord] = total.chunk(len(peers), dim=0)[k].to(peers[0].dtype).contiguous()
         else:  # all_to_all_single(x, output_split_sizes, input_split_sizes, group)
             splits = [list(p.split(args_by_rank[m][2] or [p.shape[0] // len(peers)] * len(peers)))
                       for p, m in zip(peers, groups.members(group_name, coord))]
@@ -143,7 +145,12 @@ def _pack(values: dict[int, Any]) -> Any:
 
     if all(v is None for v in values.values()):
         return None
-    return LocalTensor({r: v.detach() for r, v in values.items()})
+    values = {r: v.detach() for r, v in values.items()}
+    if len({(v.stride(), v.storage_offset()) for v in values.values()}) > 1:
+        # ranks' local layouts may differ (rank 1's slice starts further into the buffer); a
+        # LocalTensor then has a symbolic layout, which Dynamo cannot take as a graph input
+        values = {r: v.clone(memory_format=torch.contiguous_format) for r, v in values.items()}
+    return LocalTensor(values)
 
 
 class SimulatedJoint:

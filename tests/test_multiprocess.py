@@ -64,3 +64,14 @@ def test_rank_divergent_collectives_fail_fast_on_every_rank():
     named (the launcher's timeout would catch a hang)."""
     out = torchrun("rank_divergence.py", 2, timeout=240).stdout
     assert out.count("DIVERGENCE CAUGHT rank") == 2 and "MISSING RANK CAUGHT" in out, out
+
+
+def test_two_rank_mixtral_moe_parity():
+    """Mixtral-like MoE (transformers' default grouped_mm experts path: sort, index, histc,
+    cumsum, its grouped GEMM op), tp=2 with a hand plan, Inductor, 3 AdamW steps: loss,
+    first-step gradients and parameters equal one process's, nothing replicated by fallback."""
+    out = torchrun("moe_parity.py", 2, "--inductor", "1").stdout
+    m = re.search(r"MOE PARITY loss ([0-9.e+-]+) grad ([0-9.e+-]+) param ([0-9.e+-]+) "
+                  r"fallbacks (\d+)", out)
+    assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-4, out
+    assert float(m.group(3)) <= 1e-3 and m.group(4) == "0", out

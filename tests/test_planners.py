@@ -60,13 +60,24 @@ def test_gpt2_conv1d_is_planned_with_its_transposed_layout():
 
 def test_fused_projection_contiguous_where_blocks_do_not_split_evenly():
     """With the mesh axis size known, a fused width that k parts x n ranks does not divide
-    stays Shard (a contiguous split; the compiler regathers it), and the reason says why."""
-    model = MODELS["gpt2"].build()
-    width = model.transformer.h[0].attn.c_attn.weight.shape[1]
-    n = next(n for n in range(2, 64) if width % (3 * n))
-    d = _decisions(TensorParallelPlanner(mesh_axis_size=n).build_plan(model))
-    w = d["transformer.h.0.attn.c_attn.weight"]
-    assert w.placement == Shard(1) and f"is not 3 parts x {n} ranks" in w.reason
+    (gate|up of 2 x 3 on 2 ranks) stays Shard (a contiguous split; the compiler regathers
+    it), and the reason says why; where it divides, _StridedShard."""
+    class GLU(nn.Module):
+        def __init__(self, inter):
+            super().__init__()
+            self.gate_up, self.down = nn.Linear(8, 2 * inter), nn.Linear(inter, 8)
+
+        def forward(self, x):
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(torch.relu(gate) * up)
+
+    x = torch.randn(2, 8)
+    d = _decisions(TensorParallelPlanner(mesh_axis_size=2).build_plan(GLU(3), example_inputs=x))
+    assert d["gate_up.weight"].placement == Shard(0)
+    assert "is not 2 parts x 2 ranks" in d["gate_up.weight"].reason
+    d = _decisions(TensorParallelPlanner(mesh_axis_size=2).build_plan(GLU(4), example_inputs=x))
+    assert d["gate_up.weight"].placement == StridedShard(0, split_factor=2)
+    assert d["gate_up.bias"].placement == StridedShard(0, split_factor=2)
 
 
 def test_bert_pairs_across_parent_modules():
@@ -209,3 +220,19 @@ def test_data_parallel_inputs_default_to_every_batch_argument(fake_mesh, monkeyp
     shard_module(model, mesh, DataParallelPlanner().build_plan(model))
     model(torch.ones(6, 4), torch.ones(6), position_ids=torch.ones(1, 4))
     assert calls == [((6, 4), (Shard(0),)), ((6,), (Shard(0),))]
+
+
+def test_heads_a_split_would_cut_stay_whole():
+    """Gemma's multi-query attention has one key/value head: with the tp size known, k/v stay
+    replicated (the attention rule reads them whole beside the head-split query) instead of
+    splitting head_dim, which would gather them back before attention."""
+    model = MODELS["gemma"].build()
+    d = _decisions(TensorParallelPlanner(mesh_axis_size=2).build_plan(model))
+    attn = "model.layers.0.self_attn."
+    assert d[attn + "q_proj.weight"].placement == Shard(0)
+    for kv in ("k_proj", "v_proj"):
+        assert d[attn + kv + ".weight"].role == "whole heads" and "1 attention head" in \
+            d[attn + kv + ".weight"].reason
+    assert d[attn + "o_proj.weight"].placement == Shard(1)
+    llama = _decisions(TensorParallelPlanner(mesh_axis_size=2).build_plan(MODELS["llama"].build()))
+    assert llama["model.layers.0.self_attn.k_proj.weight"].placement == Shard(0)  # 2 kv heads

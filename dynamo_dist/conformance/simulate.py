@@ -88,7 +88,7 @@ def unshard(locals_: dict[tuple[int, ...], torch.Tensor], placements: Placements
                                  for r in range(len(group))])
                 val = torch.cat(group, dim=p.dim).index_select(p.dim, torch.argsort(idx))
             elif isinstance(p, Partial):
-                val = torch.stack(group).sum(0)
+                val = torch.stack(group).sum(0).to(group[0].dtype)  # (sum promotes ints)
             else:
                 for k, g in enumerate(group[1:], 1):
                     if g.shape != group[0].shape or not torch.allclose(

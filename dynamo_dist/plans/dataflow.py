@@ -63,6 +63,7 @@ class Projection:
     parts: int | None = None         # fused: output split into this many equal parts (0: unequal)
     conflict: str | None = None      # why the trace could not give it one role
     calls: int = 0
+    heads: int | None = None         # its output viewed as [..., heads, head_dim]
     # per call, the activation its input was re-indexed from (ids): column projections that
     # read one root have their input gradients summed before Megatron's one all_reduce
     input_roots: list[int] = dataclasses.field(default_factory=list)
@@ -100,6 +101,8 @@ class _Provenance(TorchFunctionMode):
             tags = self._surviving(name, x, args, kwargs, tags)
             if x is not None and name in _SPLIT:
                 self._note_split(x, args, kwargs, out, tags)
+            if x is not None and name in ("view", "reshape", "unflatten"):
+                self._note_heads(x, out, tags)
         self._tag(out, tags)
         return out
 
@@ -208,6 +211,16 @@ class _Provenance(TorchFunctionMode):
             proj = self.projections[t]
             if x.shape[dim] == proj.width and dim % x.ndim == x.ndim - 1 and len(pieces) > 1:
                 proj.parts = len(pieces) if len(sizes) == 1 else 0
+
+    def _note_heads(self, x, out, tags) -> None:
+        """A column output (or one part of a fused one) viewed as [..., heads, head_dim]."""
+        if not isinstance(out, torch.Tensor) or out.ndim != x.ndim + 1 or \
+                tuple(out.shape[:-2]) != tuple(x.shape[:-1]):
+            return
+        for t in tags:
+            proj = self.projections[t]
+            if proj.heads is None and x.shape[-1] in (proj.width, proj.width // (proj.parts or 1)):
+                proj.heads = out.shape[-2]
 
     def _tag(self, out, tags: frozenset[int]) -> None:
         for t in pytree.tree_leaves(out):

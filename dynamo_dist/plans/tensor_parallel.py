@@ -47,9 +47,11 @@ class TensorParallelPlanner(ShardingPlanner):
     gate|up) is split block-strided, ``_StridedShard(out_dim, split_factor=k)``: every rank
     holds its slice of each part, as in Megatron-LM (with ``mesh_axis_size`` n given, only where
     k x n divides its width; otherwise, and for unequal parts, contiguously, which regathers).
-    Projections
-    that pair with nothing (the output head, a MoE router, a pooler) stay replicated, except the
-    output head with ``shard_output_head`` (vocabulary-parallel logits). Without example inputs
+    Projections that pair with nothing (the output head, a MoE router, a pooler) stay
+    replicated, except the output head with ``shard_output_head`` (vocabulary-parallel logits).
+    Given ``mesh_axis_size``, a column projection whose output is viewed as a number of heads
+    that size does not divide (multi-query attention's single key/value head) stays replicated:
+    a split would cut a head. Without example inputs
     for a module that is not a transformers model, pairs are read from the module structure:
     well-known projection names, else Linear children of one parent that widen and narrow
     back. Every parameter gets a ``ParamDecision`` saying what it was taken for and why
@@ -132,6 +134,12 @@ class TensorParallelPlanner(ShardingPlanner):
                     f"reads the split outputs of {len(feeders)} column-parallel projection(s) " \
                     f"({how}); one all_reduce after it"
             return Replicate(), "replicated", "a projection feeding it is replicated"
+        if proj.feeds and self.mesh_axis_size and proj.heads and \
+                proj.heads % self.mesh_axis_size:
+            return Replicate(), "whole heads", \
+                f"its output holds {proj.heads} attention head(s), which {self.axis} size " \
+                f"{self.mesh_axis_size} does not divide: a split would cut a head (attention " \
+                f"reads it whole beside the split query)"
         if proj.feeds:
             if proj.parts and (self.mesh_axis_size is None or
                                proj.width % (proj.parts * self.mesh_axis_size) == 0):

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from .placements import Placements, is_split, local_shape, nbytes
+from .placements import Placements, is_placements, is_split, local_shape, nbytes
 
 LATENCY_BYTES = 64 * 1024
 # A free local re-slice still changes the value; ties are broken towards fewer changes.
@@ -105,6 +105,53 @@ MATMUL_OPS = ("aten.mm.default", "aten.bmm.default", "dynamo_dist.matmul_nd.defa
                "aten.addmm.default", "aten.baddbmm.default")
 
 
+# Fused attention: two matmuls of [L, E] x [E, S] per batch row and head, forward; the backward
+# does about 2.5x the forward's matmul work (FlashAttention-2, Dao 2023, sec. 3.2)
+ATTENTION_OPS = {"aten._scaled_dot_product_flash_attention_for_cpu.default": 1.0,
+                 "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": 2.5}
+
+
+def node_compute_cost(node, output, mesh_shape: Sequence[int]) -> float:
+    """Flops one rank spends on ``node`` (an FX node of a global graph) when it produces
+    ``output`` placements, in bytes-equivalent; 0 for ops whose compute is not priced.
+    Matmuls (``compute_cost``) and fused attention: without the latter a replicated attention
+    looked free, and the solver traded a head split for gathers of the queries (Gemma's
+    multi-query attention on tp=2)."""
+    op = str(node.target)
+    if op in MATMUL_OPS:
+        if not is_placements(output):
+            return 0.0
+        # addmm(bias, x, w) / baddbmm(self, x, w): the contracted size is x's last dim
+        k = node.args[1].meta["val"].shape[-1] if op in ("aten.addmm.default",
+                                                         "aten.baddbmm.default") else \
+            _first_tensor(node).shape[-1]
+        return compute_cost(op, tuple(node.meta["val"].shape), k, output, mesh_shape)
+    factor = ATTENTION_OPS.get(op)
+    if factor is None or is_placements(output) or not output or output[0] is None:
+        return 0.0
+    q = _first_tensor(node) if factor == 1.0 else node.args[1].meta["val"]
+    k = node.args[1 if factor == 1.0 else 2].meta["val"]
+    *batch, length, width = q.shape
+    flops = 4.0 * factor * length * k.shape[-2] * width
+    for s in batch:
+        flops *= s
+    return flops / _split_degree(output[0], mesh_shape) * BYTES_PER_FLOP
+
+
+def _first_tensor(node):
+    from .rules.base import tensor_args
+
+    return tensor_args(node)[0].meta["val"]
+
+
+def _split_degree(output: Placements, mesh_shape: Sequence[int]) -> int:
+    degree = 1
+    for axis, p in enumerate(output):
+        if is_split(p) or isinstance(p, Partial):
+            degree *= mesh_shape[axis]
+    return degree
+
+
 def compute_cost(op: str, out_shape: Sequence[int], contracted: int, output: Placements,
                  mesh_shape: Sequence[int]) -> float:
     """Matmul flops one rank performs under ``output`` placements (bytes-equivalent).
@@ -116,8 +163,4 @@ def compute_cost(op: str, out_shape: Sequence[int], contracted: int, output: Pla
     flops = 2.0 * contracted
     for s in out_shape:
         flops *= s
-    degree = 1
-    for axis, p in enumerate(output):
-        if is_split(p) or isinstance(p, Partial):
-            degree *= mesh_shape[axis]
-    return flops / degree * BYTES_PER_FLOP
+    return flops / _split_degree(output, mesh_shape) * BYTES_PER_FLOP

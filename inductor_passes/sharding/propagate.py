@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial
 
-from .cost import MATMUL_OPS, axis_weights, compute_cost, redistribute_cost
+from .cost import ATTENTION_OPS, MATMUL_OPS, axis_weights, node_compute_cost, redistribute_cost
 from .placements import (Placements, fmt, is_placements, is_split, nbytes, nonpartial, replicate,
                          strided_factors)
 from .rules import GETITEM, OpSpec, Strided, op_strategy, replicated_spec, tensor_args
@@ -368,7 +368,7 @@ class _Walk:
                 specs = [replicated_spec(node, ndim, "fallback")]
                 origin = "fallback: no rule"
             best, best_key = specs[0], None
-            is_matmul = str(node.target) in MATMUL_OPS
+            priced = str(node.target) in MATMUL_OPS or str(node.target) in ATTENTION_OPS
             for spec in specs:
                 srcs = [replicate_source(a, r, env) for a, r in zip(targs, spec.inputs)]
                 have = [r == env[a] or r in available.get(a, ()) or r in hints.get(a, ())
@@ -383,9 +383,8 @@ class _Walk:
                 cost += (node in self.bwd) * _debt(node, spec.output, mesh_shape) - sum(
                     _debt(a, r, mesh_shape) for a, c, r in zip(targs, current, spec.inputs)
                     if r == c and _has_partial(r) and len(a.users) == 1)
-                if is_matmul and is_placements(spec.output):
-                    cost += compute_cost(str(node.target), tuple(node.meta["val"].shape),
-                                         targs[0].meta["val"].shape[-1], spec.output, mesh_shape)
+                if priced:
+                    cost += node_compute_cost(node, spec.output, mesh_shape)
                 # ties: fewer new redistributes, then no pending reduction. (Preferring the more
                 # sharded output here slices replicated activations for free and pays gathers
                 # later; DTensor's eager choice, keep the inputs' placements, is the better bet.)

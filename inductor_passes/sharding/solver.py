@@ -14,9 +14,9 @@ Variables and constraints, each built by the function named:
   a cotangent takes its forward output's placement with Partial reduced (JAX's rule).
 
 Objective (``_objective``): sum of redistribute cost * y (cost.redistribute_cost, parameters'
-gathers priced with the memory factor) + matmul compute per rank (cost.compute_cost) + the cost
-of bringing each graph output to its required placement (forward outputs non-Partial,
-gradients in their parameter's placement). Solved with HiGHS through scipy.optimize.milp.
+gathers priced with the memory factor) + matmul and attention compute per rank
+(cost.node_compute_cost) + the cost of bringing each graph output to its required placement
+(forward outputs non-Partial, gradients in their parameter's placement). Solved with HiGHS through scipy.optimize.milp.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch.fx as fx
 
-from .cost import MATMUL_OPS, compute_cost
+from .cost import ATTENTION_OPS, MATMUL_OPS, node_compute_cost
 from .placements import Placements, is_placements, nonpartial, replicate, strided_factors
 from .rules import GETITEM, OpSpec, Strided, op_strategy, replicated_spec, tensor_args
 from .rules.strided import NONE as NO_STRIDED
@@ -67,6 +67,11 @@ def _constraint_op():
     from dynamo_dist.annotations import CONSTRAINT_OP  # lazy: dynamo_dist imports this package
 
     return CONSTRAINT_OP
+
+
+def _priced(node: fx.Node) -> bool:
+    op = str(node.target)
+    return op in MATMUL_OPS or op in ATTENTION_OPS
 
 
 class _TooLarge(Exception):
@@ -295,12 +300,9 @@ class ShardingILP:
         cost.extend(extra_cost)
         # _objective: compute, and outputs to their required placements
         for n in nodes:
-            if str(n.target) in MATMUL_OPS:
-                k = tensor_args(n)[0].meta["val"].shape[-1]
+            if n.op == "call_function" and _priced(n):
                 for s, spec in enumerate(self.options[n]):
-                    if is_placements(spec.output):
-                        cost[xi[(n, s)]] += compute_cost(str(n.target), tuple(n.meta["val"].shape),
-                                                         k, spec.output, self.mesh_shape)
+                    cost[xi[(n, s)]] += node_compute_cost(n, spec.output, self.mesh_shape)
         for i, o in enumerate(self.outs):
             if not isinstance(o, fx.Node) or o not in self.options:
                 continue

@@ -42,7 +42,8 @@ def run_one(model: str, mesh: str, runtime: str, steps: int, inductor: bool,
             port = 20000 + (os.getpid() * 7 + int(time.time())) % 20000
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
                    f"--master-port={port}", *worker] + ([] if inductor else ["--no-inductor"])
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        # plans are made afresh: a cached plan would hide what the current planner does
+        env = dict(os.environ, OMP_NUM_THREADS="1", DYNAMO_DIST_PLAN_CACHE="0")
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

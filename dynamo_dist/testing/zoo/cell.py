@@ -145,7 +145,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def plan_model(model: torch.nn.Module, axes: dict[str, int]):
     """The stock planners, as a user composes them: Megatron on ``tp``, FSDP on ``dp``."""
-    plan = TensorParallelPlanner(axis="tp").build_plan(model) if "tp" in axes else None
+    plan = TensorParallelPlanner(axis="tp", mesh_axis_size=axes["tp"]).build_plan(model) \
+        if "tp" in axes else None
     if "dp" in axes:
         plan = DataParallelPlanner(axis="dp", mesh_axis_size=axes["dp"]).build_plan(model, plan)
     return plan

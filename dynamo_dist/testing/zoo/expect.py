@@ -4,12 +4,14 @@ against.
 Tensor parallelism (Megatron-LM, Shoeybi et al. 2019), per step: one all_reduce in the forward
 after every row-parallel projection, and one in the backward for every activation that
 column-parallel projections read (projections that read one activation, q/k/v or gate/up, have
-their input gradients summed first); nothing else moves on the tensor-parallel axis.
+their input gradients summed first), plus, for key/value projections kept whole because the
+heads do not split (multi-query attention), one for each one's output gradient; nothing else
+moves on the tensor-parallel axis.
 Fully-sharded data parallelism (FSDP / ZeRO-3, Rajbhandari et al. 2020): every parameter sharded
 on the data axis is all-gathered once in the forward, at most once more in the backward (the
 re-gather of what the backward needs), and its gradient is reduce-scattered once; a parameter
-replicated there (DDP) has its gradient all-reduced once; the loss (a mean over the batch) is
-all-reduced once, and synchronized batch norm all-reduces at most two statistics per layer in
+replicated there (DDP) has its gradient all-reduced once; the loss (a mean over the batch) needs
+its sum and its count of valid labels all-reduced, and synchronized batch norm all-reduces at most two statistics per layer in
 each direction. Counts are per step, before bucketing (the ledger's entries).
 """
 
@@ -51,8 +53,9 @@ def textbook(model: nn.Module, plan: ShardingPlan, axes: dict[str, int],
 
 
 def _megatron(plan: ShardingPlan, params, projections) -> list[Expected]:
-    rows, column_roots = 0, set()
+    rows, column_roots, whole = 0, set(), 0
     for d in plan.decisions:
+        whole += d.axis == "tp" and d.role == "whole heads"
         if d.axis != "tp" or not d.sharded:
             continue
         proj = projections.get(id(params[d.names[0]]))
@@ -64,8 +67,10 @@ def _megatron(plan: ShardingPlan, params, projections) -> list[Expected]:
             column_roots.update(proj.input_roots)
     return [Expected("tp", "forward", "all_reduce", rows, True,
                      "one after each row-parallel projection"),
-            Expected("tp", "backward", "all_reduce", len(column_roots), True,
-                     "one per activation read by column-parallel projections")]
+            Expected("tp", "backward", "all_reduce", len(column_roots) + whole, True,
+                     "one per activation read by column-parallel projections" +
+                     (", one per whole-head key/value projection's output gradient (multi-query "
+                      "attention: summed over the query-head ranks)" if whole else ""))]
 
 
 def _fsdp(model: nn.Module, plan: ShardingPlan, params) -> list[Expected]:
@@ -73,8 +78,9 @@ def _fsdp(model: nn.Module, plan: ShardingPlan, params) -> list[Expected]:
     replicated = [d for d in plan.decisions if d.axis == "dp" and not d.sharded and
                   params[d.names[0]].requires_grad]
     norms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    out = [Expected("dp", "forward", "all_reduce", 1 + 2 * norms, False,
-                    "the loss" + (f", batch statistics of {norms} batch norms" if norms else ""))]
+    out = [Expected("dp", "forward", "all_reduce", 2 + 2 * norms, False,
+                    "the loss (its sum and its count of valid labels)" +
+                    (f", batch statistics of {norms} batch norms" if norms else ""))]
     if sharded:
         out += [Expected("dp", "forward", "all_gather", len(sharded), True,
                          "each FSDP parameter once"),

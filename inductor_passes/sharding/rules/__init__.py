@@ -6,15 +6,16 @@ OpSpec records which one produced it (``source``):
 
 1. native rules written here per op family, for ONE mesh axis and expanded to N-D meshes by
    ``expand_to_mesh``: pointwise ops (from ``torch.Tag.pointwise``, with Partial kept only
-   through ops that are linear in that argument), matmuls as einsum strings, factory ops,
-   sharding constraints;
+   through ops that are linear in that argument), matmuls as einsum strings, indexing,
+   scatter and grouped GEMMs, factory ops, sharding constraints;
 2. DTensor's strategy registry, through ``rules.dtensor`` (views, reductions, embedding, ...);
 3. none: the op runs replicated (every input all-gathered), which propagation logs with its cost.
 
 Each family lives in its own module (``pointwise``, ``matmul``, ``attention``, ``indexing``,
-``manual``, ``dtensor``); this module dispatches a node to its family and applies the filters
-every OpSpec must pass (``op_strategy``). Block-strided sharding (``_StridedShard``) is added on
-top of every family by ``strided``: rules are asked with its Shard twin and their answers lifted.
+``grouped_mm``, ``manual``, ``dtensor``); this module dispatches a node to its family and applies
+the filters every OpSpec must pass (``op_strategy``). Block-strided sharding (``_StridedShard``)
+is added on top of every family by ``strided``: rules are asked with its Shard twin and their
+answers lifted.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from .attention import ATTENTION, attention_strategy
 from .base import (GETITEM, AxisOption, OpSpec, expand_multi_output, expand_to_mesh,
                    replicated_spec, tensor_args, val_shape)
 from .dtensor import dtensor_strategy
-from .indexing import index_put_accumulate_strategy, slice_scatter_strategy
+from .grouped_mm import GROUPED_MM, grouped_mm_strategy
+from .indexing import INDEXING, slice_scatter_strategy
 from .manual import manual_strategy
 from .matmul import EINSUM, einsum_strategy
 from .pointwise import REVERSE, is_pointwise, is_random, pointwise_strategy, reverse_strategy
@@ -59,7 +61,7 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
     """
     def kept(specs):
         specs = with_strided(node, specs, strided_in, mesh_shape)
-        return [s for s in specs if _partial_only_on_floats(node, s) and
+        return [s for s in specs if _partial_only_on_numbers(node, s) and
                 _one_placement_per_value(node, s) and _uneven_aligned(node, s, mesh_shape)]
 
     if strided_in is None:
@@ -85,7 +87,8 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
 
 
 # rules whose kernels compute right on an empty local piece (0 rows of a matmul, of a sum)
-_EMPTY_OK = ("pointwise", "einsum:", "reverse", "slice_scatter", "index_put_accumulate")
+_EMPTY_OK = ("pointwise", "einsum:", "reverse", "slice_scatter", "index_put", "scatter",
+             "gather", "histc", "cumsum", "grouped_mm_fallback", "masked_index")
 
 
 def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> bool:
@@ -137,14 +140,30 @@ def _one_placement_per_value(node: fx.Node, spec: OpSpec) -> bool:
     return True
 
 
-def _partial_only_on_floats(node: fx.Node, spec: OpSpec) -> bool:
-    """A pending sum of integers or booleans (indices, masks) is never what a program means."""
+def _partial_only_on_numbers(node: fx.Node, spec: OpSpec) -> bool:
+    """No pending reduction of booleans (masks); integers only as a pending sum, which is exact
+    (a count of valid labels over a split batch: one all_reduce of a scalar, not a gather of the
+    mask); an average or max of integers is not what integer code means."""
     vals = [(a.meta["val"], p) for a, p in zip(tensor_args(node), spec.inputs)]
     out = node.meta.get("val")
     if isinstance(out, torch.Tensor) and is_placements(spec.output):
         vals.append((out, spec.output))
-    return all(v.is_floating_point() or not any(isinstance(p, Partial) for p in pls)
-               for v, pls in vals)
+    for v, pls in vals:
+        if v.is_floating_point() or v.is_complex():
+            continue
+        partial = [p for p in pls if isinstance(p, Partial)]
+        if partial and (v.dtype is torch.bool or any(p.reduce_op != "sum" for p in partial)):
+            return False
+    return True
+
+
+def _op_name(op) -> str:
+    """'namespace::name.overload' of an OpOverload (custom ops of other libraries, such as
+    transformers' grouped_mm_fallback, are matched by name: importing them is not ours)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return ""
+    return f"{schema.name}.{schema.overload_name or 'default'}"
 
 
 def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]:
@@ -174,10 +193,12 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
     if op is MATMUL_ND:
         batch = "abcdefgh"[: val_shape(node).__len__() - 2]
         return einsum_strategy(node, f"{batch}mk,{batch}kn->{batch}mn", mesh_shape)
-    if op is aten._unsafe_masked_index_put_accumulate.default:
-        return index_put_accumulate_strategy(node, mesh_shape)
     if op is aten.slice_scatter.default:
         return slice_scatter_strategy(node, mesh_shape)
+    if op in INDEXING:
+        return INDEXING[op](node, mesh_shape)
+    if _op_name(op) in GROUPED_MM:
+        return grouped_mm_strategy(node, mesh_shape)
     if op in ATTENTION:
         return attention_strategy(node, mesh_shape)
     if op in REVERSE:
