@@ -438,3 +438,66 @@ def test_shard_module_refuses_strided_blocks_that_do_not_split_evenly(fake_mesh)
     with pytest.raises(DistCompileError, match="not 3 blocks each split evenly in 2") as err:
         shard_module(model, mesh, ShardingPlan(plan={"weight": {"tp": SS(0, 3)}}))
     assert "fix" in str(err.value)
+
+
+class BmmAttention(nn.Module):
+    """Attention written with ``bmm`` over heads merged into the batch ([B*H, T, d], as older
+    models and hand-written kernels do): a head split of q/k/v is SS(0, B) on the merged dim."""
+
+    def __init__(self, hidden=16, heads=4):
+        super().__init__()
+        self.nh = heads
+        self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.o = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        d = h // self.nh
+
+        def heads(z):
+            return z.view(b, t, self.nh, d).transpose(1, 2).reshape(b * self.nh, t, d)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        att = torch.bmm(q, k.transpose(1, 2)).softmax(-1)
+        y = torch.bmm(att, v).view(b, self.nh, t, d).transpose(1, 2).reshape(b, t, h)
+        return self.o(y)
+
+
+def test_heads_merged_into_the_batch_stay_split(fake_mesh):
+    """DTensor's view rule makes [B, H] with H split into SS(0, B) on [B*H]; bmm passes it
+    through and the view back gives Shard(1): Megatron's 1 all_reduce forward and 1 backward,
+    values and gradients as one device."""
+    from dynamo_dist.plans import ShardingPlan, shard_module
+
+    mesh = fake_mesh((2,), ("tp",))
+    torch.manual_seed(0)
+    ref = BmmAttention()
+    model = BmmAttention()
+    model.load_state_dict(ref.state_dict())
+    col = {"tp": S0}
+    shard_module(model, mesh, ShardingPlan(plan={"q.*": col, "k.*": col, "v.*": col,
+                                                 "o.weight": {"tp": S1}}))
+    x, cot = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    xr = x.clone().requires_grad_()
+    want = ref(xr)
+    want_grads = torch.autograd.grad(want, [xr, *ref.parameters()], cot)
+    torch._dynamo.reset()
+    torch.compile(model, backend="dist", fullgraph=True, options={"inductor": False})(
+        x.clone().requires_grad_())
+    rec = compile_records()[-1]
+    kinds = [(e.phase, e.kind) for e in rec.ledger.entries]
+    assert kinds == [("forward", "all_reduce"), ("backward", "all_reduce")], rec.ledger.entries
+    assert any("SS(0,2)" in fmt(n.output) for n in rec.plan.nodes.values()
+               if n.op == "aten.bmm.default")
+    names = dict(ref.named_parameters())
+    by_input = []
+    for info in rec.program.primal_inputs:
+        flat = info.name.replace("modules_", "").replace("parameters_", "")
+        by_input.append(next((n for n in names if flat.endswith(n.replace(".", "_") + "_")),
+                             None))
+    (got,), grads = run_spmd(rec, [x if k is None else names[k].detach() for k in by_input],
+                             [cot], mesh)
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+    want_of = dict(zip(["x", *names], want_grads))
+    for k, g in zip(by_input, grads):
+        torch.testing.assert_close(g, want_of[k or "x"], rtol=1e-4, atol=1e-5, msg=str(k))

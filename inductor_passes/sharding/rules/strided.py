@@ -51,7 +51,8 @@ aten = torch.ops.aten
 class Strided:
     """Split factors in play at one node: ``local``, those of _StridedShard placements its
     inputs may hold; ``program``, those of the program's pinned placements (parameters,
-    constraints), which ``cat`` and ``slice_scatter`` may create from Shard pieces."""
+    constraints), the only ones ``cat`` and ``slice_scatter`` create from Shard pieces (the
+    backward of a fused projection's split)."""
 
     local: frozenset[int] = frozenset()
     program: frozenset[int] = frozenset()
@@ -77,11 +78,12 @@ _LIFTED_DTENSOR = {
 }
 
 
-# A split factor that only a view created (SS(0, B) of attention's [B*H] batch) is lifted only
-# through batched matmuls and dim renumbering, the path such a merge serves (view -> bmm ->
-# view back); lifted through every op, it spread over the whole program (a Llama's sequence
-# splits, merged with the batch by every [B*T, H] view, doubled the planner's choices and took
-# its ILP from 3.6 s to 20 s for no better plan). A factor the program pins lifts everywhere.
+# A split factor that only a view created (SS(0, B) of attention's [B*H, L, S] batch) is lifted
+# through batched matmuls and dim renumbering, and through any op on the merged batch dim of a
+# rank >= 3 value (the softmax between attention's two bmm): the path such a merge serves.
+# Lifted through every op, it spread over the whole program (a Llama's sequence splits, merged
+# with the batch by every [B*T, H] view, doubled the planner's choices and took its ILP from
+# 3.6 s to 20 s for no better plan). A factor the program pins lifts everywhere.
 _VIEW_FACTOR_OPS = {aten.bmm.default, aten.baddbmm.default, aten.permute.default,
                     aten.transpose.int, aten.t.default, aten.expand.default, aten.clone.default,
                     aten.alias.default, aten.unsqueeze.default, aten.squeeze.dim,
@@ -121,9 +123,8 @@ def lift(node: fx.Node, specs: Sequence[OpSpec], strided_in: Strided,
          mesh_shape: Sequence[int]) -> list[OpSpec]:
     """The lifted twins of ``specs`` (see the module doc), one per (spec, mesh axis, factor)
     that qualifies; each is checked with ``valid_for`` (k n divides the dim, no nesting)."""
-    factors = strided_in.local if node.target in _VIEW_FACTOR_OPS else \
-        strided_in.local & strided_in.program
-    if not factors:
+    anywhere = strided_in.local & strided_in.program
+    if not strided_in.local:
         return []
     in_shapes = [val_shape(a) for a in tensor_args(node)]
     out_shapes = _out_shapes(node)
@@ -137,10 +138,14 @@ def lift(node: fx.Node, specs: Sequence[OpSpec], strided_in: Strided,
         for axis, n in enumerate(mesh_shape):
             if any(is_strided(p[axis]) for _, p in pairs):
                 continue  # already strided on this axis (a DTensor view's own SS): as is
-            sizes = {s[p[axis].dim] for s, p in pairs if type(p[axis]) is Shard}
+            split = [(s, p[axis].dim) for s, p in pairs if type(p[axis]) is Shard]
+            sizes = {s[d] for s, d in split}
             if len(sizes) != 1:
                 continue
             size = sizes.pop()
+            batched = all(d == 0 and len(s) >= 3 for s, d in split)
+            factors = strided_in.local if batched or node.target in _VIEW_FACTOR_OPS \
+                else anywhere
             for k in sorted(factors):
                 if size % (k * n):
                     continue
@@ -217,9 +222,9 @@ def cut_options(node: fx.Node, base: Sequence[OpSpec], strided_in: Strided,
     if op is aten.slice.Tensor:
         return _slice(node, base, strided_in.local, mesh_shape)
     if op is aten.cat.default:
-        return _cat(node, base, strided_in.local | strided_in.program, mesh_shape)
+        return _cat(node, base, strided_in.program, mesh_shape)
     if op is aten.slice_scatter.default:
-        return _slice_scatter(node, base, strided_in.local | strided_in.program, mesh_shape)
+        return _slice_scatter(node, base, strided_in.program, mesh_shape)
     return []
 
 
@@ -326,10 +331,29 @@ def _slice_scatter(node, base, factors, mesh_shape) -> list[OpSpec]:
 RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
+def _new_factor_ok(node: fx.Node, spec: OpSpec, allowed: frozenset[int]) -> bool:
+    """A DTensor OpSpec whose output holds a _StridedShard of a factor not in play (a view that
+    merges a split dim with outer ones) is kept only where that serves batched matmuls: the
+    merged dim is dim 0 of a rank >= 3 result ([B, H, L, E] -> [B*H, L, E], H split). A merge
+    into the rows of a matrix ([B, T, H] -> [B*T, H], T split: every sequence split of a
+    program) would offer a new layout for nearly every activation (measured on a Llama: +40%
+    ILP flow variables for the same plan)."""
+    if not spec.source.startswith("dtensor:"):
+        return True
+    for shape, pls in zip(_out_shapes(node), _outputs(spec)):
+        for p in pls or ():
+            if is_strided(p) and int(p.split_factor) not in allowed and \
+                    not (p.dim == 0 and shape is not None and len(shape) >= 3):
+                return False
+    return True
+
+
 def with_strided(node: fx.Node, specs: list[OpSpec], strided_in: Strided,
                  mesh_shape: Sequence[int]) -> list[OpSpec]:
     """``specs`` (asked with Shard twins of the inputs' placements) plus their SS options for
     the factors in play (``lift``, ``cut_options``)."""
+    allowed = strided_in.local | strided_in.program
+    specs = [s for s in specs if _new_factor_ok(node, s, allowed)]
     if not strided_in or not specs:
         return specs
     base = specs + [replicated_spec(node, len(mesh_shape), "strided")]
