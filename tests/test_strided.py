@@ -398,6 +398,45 @@ def test_planner_and_runtime_on_simulated_ranks(fake_mesh, monkeypatch):
         {("forward", "all_reduce"), ("backward", "all_reduce")}
 
 
+def test_dataflow_finds_fused_parts_cut_by_slices():
+    """Phi-3 reads q, k, v of its fused output by slices (``qkv[..., :h]``...), not split: the
+    trace collects the cut points; equal pieces are parts, unequal ones (grouped-query: q wider
+    than k and v) are not (the projection stays contiguous, and its reason says why)."""
+    from dynamo_dist.plans import TensorParallelPlanner
+
+    x = torch.randn(2, 8, 16)
+    plan = TensorParallelPlanner().build_plan(FusedModel(slicing=True), example_inputs=x)
+    assert plan.placement_for("layers.0.qkv_w") == {"tp": SS(1, 3)}
+
+    class Unequal(FusedLayer):
+        def forward(self, x):
+            qkv = torch.addmm(self.qkv_b, x.view(-1, self.h), self.qkv_w).view(*x.shape[:2], -1)
+            q, kv = qkv[..., :2 * self.h], qkv[..., 2 * self.h:]
+            return self.o(q[..., :self.h] * q[..., self.h:] * kv)
+
+    d = {dd.names[0]: dd for dd in TensorParallelPlanner().build_plan(
+        Unequal(), example_inputs=x).decisions}
+    assert d["qkv_w"].placement == Shard(1) and "unequal parts" in d["qkv_w"].reason
+
+
+def test_phi3_fused_qkv_and_gate_up_tp2_is_megatron(fake_mesh):
+    """transformers' Phi-3 (qkv_proj read by slices, gate_up_proj chunked), planned by the stock
+    planner and trained on simulated tp=2 ranks: parity with one process and exactly the
+    textbook collectives."""
+    from dynamo_dist.testing.zoo.cell import SimRuntime, run_cell
+    from dynamo_dist.testing.zoo.models import (_LM, FFN, HEADS, HIDDEN, LAYERS, ZooModel, _hf,
+                                                _lm_batch)
+
+    zm = ZooModel("phi3", "fused qkv by slices, gate|up by chunk", _hf(
+        "Phi3ForCausalLM", "Phi3Config", hidden_size=HIDDEN, intermediate_size=FFN,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+        pad_token_id=0, **_LM), _lm_batch)
+    row = run_cell(zm, "tp=2", SimRuntime())
+    assert row["status"] == "parity", row.get("error") or row.get("trace")
+    assert all(r["verdict"] == "=" for r in row["textbook"]), row["textbook"]
+    assert {r["kind"] for r in row["textbook"]} == {"all_reduce"}
+
+
 def test_gpt2_zoo_cell_tp2_is_megatron(fake_mesh):
     """GPT-2 (fused c_attn, dropout: the attention runs SDPA's math path, whose [B*H] batched
     matmuls are split by heads through SS(0, B)) trained 3 steps on simulated tp=2 ranks: at
