@@ -15,7 +15,8 @@ strided placement plans exactly as before and one with them grows the search onl
    one-size condition is what makes the subsets consistent: a view that splits or merges the
    dim, a cat or split along it, grouped-query heads (Hq vs Hkv) all pair dims of different
    sizes and are never lifted. Rules whose exactness on contiguous pieces rests on more than
-   index-wise independence are not lifted (the allow-list ``_LIFTED``).
+   index-wise independence are not lifted (allow-lists ``_LIFTED_SOURCES``/``_LIFTED_DTENSOR``;
+   grouped GEMMs, indexing and attention are not on them).
 2. **block-aligned cuts** of the strided dim itself: ``split`` / ``split_with_sizes`` / ``slice``
    cutting SS(d,k) exactly at block boundaries give each piece of m blocks ``SS(d, m)``
    (``Shard(d)`` for one block: q, k, v each split over heads as usual); ``cat`` of pieces that
@@ -27,7 +28,8 @@ Rules that do not know SS are asked with its ``Shard`` twin (``placements.shard_
 their answers lifted. DTensor's view rules (``RESHAPES``) know SS and are also asked with it:
 they merge and split the strided dim (flattening [a, b] split on b gives ``SS(0, a)``, the
 head split of attention's [B*H, L, E] batched matmuls; unflattening gives ``Shard`` back), which
-is how a split factor first appears in a program without strided parameters. Their answers are
+is how a split factor first appears in a program without strided parameters; such a factor is
+kept only on the merged batch dim of batched matmuls (``_new_factor_ok``). Their answers are
 checked against the definition by ``tests/test_strided.py``.
 """
 
@@ -40,8 +42,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from ..placements import (Placements, is_placements, is_strided, strided, strided_factors,
-                          valid_for)
+from ..placements import Placements, is_placements, is_strided, strided, valid_for
 from .base import OpSpec, replicated_spec, tensor_args, val_shape
 
 aten = torch.ops.aten
