@@ -37,6 +37,9 @@ from torch.distributed.tensor._op_schema import (  # noqa: E402,F401
     OutputSharding,
     TupleStrategy,
 )
+# block-strided sharding (Megatron's layout of a fused projection): on a mesh axis of size n
+# the dim is k blocks, each split in n, and rank r holds piece r of every block
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402,F401
 
 
 def sharding_propagator():
@@ -307,6 +310,7 @@ def install_dynamo_tracing_fallback() -> None:
     # while Dynamo's frame hook is active, and it would try to compile this frame.
     prop.propagate_op_sharding_non_cached = torch.compiler.disable(propagate)
     prop._dynamo_dist_fallback = True
+    _strided_gather_while_tracing()
     # DTensor runs some ops through handlers of its own (convolution, as_strided, argmax...)
     # that bypass propagation: while tracing for dist they run on replicated values too.
     handlers = _dtensor_dispatcher()._custom_op_handlers
@@ -333,6 +337,35 @@ def install_dynamo_tracing_fallback() -> None:
     # them and deadlock on its own callback lock
     _keep_callbacks(callback_handler, torch.compiler.disable(fresh),
                     torch.compiler.disable(forget))
+
+
+def _strided_gather_while_tracing() -> None:
+    """Replicating a ``_StridedShard`` value while Dynamo traces for dist (the fallback above
+    replicates every input) goes through ``_StridedShard._to_replicate_tensor``, which (2.13)
+    builds its reorder indices with ``torch.arange``: there it runs outside the fake mode and
+    index_select then mixes a real index with a fake tensor (an error). Evenly split values
+    are gathered and their blocks reordered with views instead (rank-major [n, k, c] ->
+    block-major [k, n, c]); anything else, and every eager call, runs DTensor's own code."""
+    from torch.distributed import _functional_collectives as funcol
+
+    original = StridedShard._to_replicate_tensor
+    if getattr(original, "_dynamo_dist", False):
+        return
+
+    def to_replicate(self, local_tensor, mesh, mesh_dim, current_logical_shape):
+        n, k, dim = mesh.size(mesh_dim), self._split_factor_int(), self.dim
+        size = current_logical_shape[dim]
+        if not _dist_tracing() or not isinstance(size, int) or size % (k * n):
+            return original(self, local_tensor, mesh, mesh_dim, current_logical_shape)
+        out = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=dim,
+                                       group=(mesh, mesh_dim))
+        if isinstance(out, funcol.AsyncCollectiveTensor):
+            out = out.wait()
+        return out.unflatten(dim, (n, k, size // (k * n))).transpose(dim, dim + 1) \
+            .reshape(list(current_logical_shape)).contiguous()
+
+    to_replicate._dynamo_dist = True
+    StridedShard._to_replicate_tensor = to_replicate
 
 
 def _keep_callbacks(handler, start, end) -> None:

@@ -95,10 +95,11 @@ def with_sharding_constraint(t: torch.Tensor, mesh: DeviceMesh,
 
     Raises ValueError when the placements cannot apply to ``t`` (see ``validate_placements``).
     """
-    from .plans import validate_placements
+    from .plans.spec import refuse_strided_nesting, validate_placements
 
     placements = normalize(tuple(placements), t.ndim)
     validate_placements("with_sharding_constraint", tuple(t.shape), mesh, placements)
+    refuse_strided_nesting("with_sharding_constraint", tuple(t.shape), mesh, placements)
     return sharding_constraint(t, encode_spec(mesh, placements))
 
 

@@ -206,6 +206,10 @@ class _GlobalInterpreter(fx.Interpreter):
 
         from .annotations import encode_spec, enter_manual
 
+        from .plans.spec import refuse_strided_nesting
+
+        refuse_strided_nesting("a manual region (to_local / enable_manual_sharding)",
+                               tuple(x.shape), self.mesh, placements, user_source(self._node))
         if is_uneven(tuple(x.shape), placements, tuple(self.mesh.shape)):
             raise DistCompileError(
                 f"a manual region (to_local / enable_manual_sharding) at {self._node.name} "
@@ -220,9 +224,7 @@ class _GlobalInterpreter(fx.Interpreter):
 
     def _from_local(self, x, device_mesh=None, placements=None, *, run_check=False, shape=None,
                     stride=None):
-        from torch.distributed.tensor.placement_types import Shard
-
-        from inductor_passes.sharding.placements import normalize
+        from inductor_passes.sharding.placements import is_split, normalize
 
         from .annotations import encode_spec, exit_manual
 
@@ -249,9 +251,12 @@ class _GlobalInterpreter(fx.Interpreter):
         if shape is None:
             full = list(x.shape)
             for axis, p in enumerate(pls):
-                if isinstance(p, Shard):
+                if is_split(p):
                     full[p.dim] *= mesh.shape[axis]
             shape = full
+        from .plans.spec import refuse_strided_nesting
+
+        refuse_strided_nesting("DTensor.from_local", tuple(shape), mesh, pls, user_source(node))
         out = exit_manual(x, encode_spec(mesh, pls), [int(s) for s in shape])
         self.known[id(out)] = (mesh, pls)
         return out

@@ -27,6 +27,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from inductor_passes.sharding.placements import is_split, is_strided
+
 from . import _compat
 from .mesh import Mesh, as_device_mesh
 from .plans import PartitionSpec
@@ -82,6 +84,10 @@ def placements_to_partition_spec(mesh: MeshLike, placements: Sequence[Placement]
         if isinstance(p, Partial):
             raise ValueError(f"placements {list(placements)}: Partial on mesh axis {axis} has no "
                              f"partition-spec form; reduce it first (redistribute to Replicate)")
+        if is_strided(p):
+            raise ValueError(f"placements {list(placements)}: {p!r} on mesh axis {axis} (block-"
+                             f"strided) has no partition-spec form; use the placements as they "
+                             f"are, or redistribute to Shard({p.dim})")
         if isinstance(p, Shard):
             entries[p.dim % ndim].append(names[axis] if names else axis)
     return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries))
@@ -209,6 +215,6 @@ def _global_shape(local: torch.Tensor, mesh: DeviceMesh, spec) -> list[int]:
     _, pls = _resolve(mesh, spec, local.ndim)
     shape = list(local.shape)
     for axis, p in enumerate(pls):
-        if isinstance(p, Shard):
+        if is_split(p):
             shape[p.dim] *= mesh.shape[axis]
     return shape

@@ -24,7 +24,8 @@ from dynamo_dist.ops import MATMUL_ND
 
 from . import layout
 from .redistribute import AxisGroup, mesh_axes, redistribute
-from .sharding.placements import Placements, fmt, is_placements, local_shape, replicate
+from .sharding.placements import (Placements, fmt, is_placements, is_strided, local_shape,
+                                  replicate)
 from .sharding.propagate import Plan, replicate_source, tangent_dependent
 from .sharding.rules import GETITEM, OpSpec, tensor_args
 from .sharding.rules.moments import lower_split, splits_reduced_dim
@@ -64,6 +65,43 @@ _OUTPUT_SIZE_ARG = {aten.convolution_backward.default: (3, 2)}
 _LOCAL_IMPL = {aten.view.default: aten.reshape.default, MATMUL_ND: torch.matmul,
                # needs a unit-stride last dim, which a re-sliced shard may not have
                aten.view_as_complex.default: lambda x: aten.view_as_complex(x.contiguous())}
+
+
+# ops that cut a dim at GLOBAL offsets: (index of the dim argument, indices of the cut
+# arguments); when the input's dim is _StridedShard(d, k) they cut at block boundaries, and
+# every local block is 1/n of the global one, so the local op cuts at offset / n
+_CUTS = {aten.split.Tensor: (2, (1,)), aten.split_with_sizes.default: (2, (1,)),
+         aten.slice.Tensor: (1, (2, 3)), aten.slice_scatter.default: (2, (3, 4))}
+
+
+def _local_cuts(node: fx.Node, args: list, np, mesh_shape: Sequence[int]) -> list:
+    """``args`` of a split/slice/slice_scatter with the cut offsets made local where the cut dim
+    of its first input is block-strided (``rules.strided``: the cuts are block-aligned)."""
+    dim_i, cut_is = _CUTS[node.target]
+    size = node.args[0].meta["val"].shape
+    dim = args[dim_i] if len(args) > dim_i else 0
+    dim %= len(size)
+    n = next((mesh_shape[a] for a, p in enumerate(np.inputs[0])
+              if is_strided(p) and p.dim == dim), None)
+    if n is None:
+        return args
+    args = list(args)
+
+    def local(v):
+        if v is None:
+            return None
+        v = min(v + size[dim] if v < 0 else v, size[dim])
+        if v % n:
+            raise DistCompileError(f"internal: {node.name} cuts dim {dim} at {v}, which is not a "
+                                   f"block boundary of {fmt(np.inputs[0])}", op=node.target,
+                                   source=user_source(node))
+        return v // n
+
+    for i in cut_is:
+        if i < len(args):
+            args[i] = [local(v) for v in args[i]] if isinstance(args[i], (list, tuple)) \
+                else local(args[i])
+    return args
 
 
 # ops that read their input's memory layout (strides, storage offset), not only its values
@@ -190,6 +228,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 args = list(args)
                 args[idx] = list(local_shape(tuple(node.meta["val"][out_idx].shape),
                                              np.output[out_idx], mesh_shape, coord))
+            if node.target in _CUTS:
+                args = _local_cuts(node, args, np, mesh_shape)
             target = _LOCAL_IMPL.get(node.target, node.target)
             spec = OpSpec(np.inputs, np.output, np.source)
             if node.target in _LAYOUT_READERS and np.inputs[0] == replicate(len(mesh_shape)):

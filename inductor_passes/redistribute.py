@@ -10,6 +10,18 @@ Runs while tracing the local graph (``make_fx``), on local tensors. Per mesh axi
     Replicate  -> Partial     this rank keeps the value at coordinate 0, zeros elsewhere
     anything   -> Partial     via Replicate
 
+_StridedShard(d, k) ("SS", see ``placements``): the same collectives with a local block
+reorder of the whole dim d (view [k, n, c] <-> [n, k, c]: block-major <-> rank-major):
+
+    SS(d,k)    -> Replicate   all_gather along d (rank-major), then reorder to block-major
+    Replicate  -> SS(d,k)     local slice: piece r of every block (no communication)
+    Partial    -> SS(d,k)     reorder to rank-major, then reduce_scatter along d
+    SS / Shard -> SS / Shard  on two different dims: all_to_all, reordering the dim that is
+                              strided before (target) or after (source) it
+    SS(d,k)   <-> Shard(d), SS(d,k) -> SS(d,k'): all_gather and local slice (the pieces rank r
+                              holds before and after overlap on few ranks; an all_to_all with
+                              uneven sends would move less, at the price of a second code path)
+
 Order of the per-axis steps: see ``redistribute``.
 Every collective is appended to the ``CollectiveLedger`` with its cause.
 
@@ -29,7 +41,7 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .sharding.placements import Placements, shard_range
+from .sharding.placements import Placements, is_split, is_strided, shard_range, split_factor
 
 c10d = torch.ops._c10d_functional
 
@@ -124,6 +136,30 @@ def all_to_all(x: torch.Tensor, src: int, dst: int, ax: AxisGroup, record: Recor
     return out
 
 
+def _reorder(x: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Tensor:
+    """Dim ``dim`` (whole, local) viewed as [outer, inner, c] -> [inner, outer, c]: with
+    (outer, inner) = (k, n) block-major -> rank-major, with (n, k) the inverse."""
+    size = x.shape[dim]
+    c = size // (outer * inner)
+    return x.unflatten(dim, (outer, inner, c)).transpose(dim, dim + 1).reshape(x.shape)
+
+
+def gather_strided(x: torch.Tensor, dim: int, k: int, ax: AxisGroup, record: Record,
+                   size: int) -> torch.Tensor:
+    """_StridedShard(dim, k) -> Replicate; ``size``: the dim's GLOBAL size (k * n divides it).
+    The gather puts rank r's [block 0 piece r, ..., block k-1 piece r] at r: rank-major."""
+    out = all_gather(x, dim, ax, record, size)
+    return _reorder(out, dim, ax.size, k)
+
+
+def slice_strided(x: torch.Tensor, dim: int, k: int, ax: AxisGroup) -> torch.Tensor:
+    """Replicate -> _StridedShard(dim, k): piece ``coordinate`` of each of the k blocks."""
+    n, size = ax.size, x.shape[dim]
+    c = size // (k * n)
+    return x.unflatten(dim, (k, n * c)).narrow(dim + 1, ax.coordinate * c, c) \
+        .reshape(*x.shape[:dim], size // n, *x.shape[dim + 1:])
+
+
 def local_slice(x: torch.Tensor, dim: int, ax: AxisGroup) -> torch.Tensor:
     """Replicate -> Shard(dim): this rank's piece (``x`` holds the whole dim)."""
     offset, length = shard_range(x.shape[dim], ax.size, ax.coordinate)
@@ -159,6 +195,8 @@ def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[A
         s = cur[i]
         if type(s) is Shard:
             x = all_gather(x, s.dim, axes[i], record, shape[s.dim])
+        elif is_strided(s):
+            x = gather_strided(x, s.dim, split_factor(s), axes[i], record, shape[s.dim])
         else:
             x = all_reduce(x, s.reduce_op, axes[i], record)
         cur[i] = Replicate()
@@ -167,22 +205,32 @@ def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[A
         s, d = cur[i], dst[i]
         if s == d or type(s) is Replicate:
             continue
-        movable = type(d) is Shard and (type(s) is Shard or s.reduce_op in ("sum", "avg"))
+        # a split moves to a split of ANOTHER dim (all_to_all); one dim in two layouts
+        # (Shard <-> _StridedShard) goes through Replicate
+        movable = is_split(d) and ((is_split(s) and s.dim != d.dim) or
+                                   (not is_split(s) and s.reduce_op in ("sum", "avg")))
         if not movable:
             to_replicate(i)
     for i in reversed(range(len(axes))):
         s, d = cur[i], dst[i]
         if s == d or type(s) is Replicate:
             continue
-        nested = any(j != i and type(cur[j]) is Shard and cur[j].dim == d.dim
+        nested = any(j != i and is_split(cur[j]) and cur[j].dim == d.dim
                      for j in range(len(axes)))
+        ax = axes[i]
         if nested:
             to_replicate(i)
-        elif type(s) is Shard:
-            x = all_to_all(x, s.dim, d.dim, axes[i], record, shape[s.dim])
+        elif is_split(s):
+            if is_strided(d):  # the target dim, whole here, to rank-major
+                x = _reorder(x, d.dim, split_factor(d), ax.size)
+            x = all_to_all(x, s.dim, d.dim, ax, record, shape[s.dim])
+            if is_strided(s):  # received rank by rank: back to block-major
+                x = _reorder(x, s.dim, ax.size, split_factor(s))
             cur[i] = d
         else:
-            x = reduce_scatter(x, s.reduce_op, d.dim, axes[i], record)
+            if is_strided(d):
+                x = _reorder(x, d.dim, split_factor(d), ax.size)
+            x = reduce_scatter(x, s.reduce_op, d.dim, ax, record)
             cur[i] = d
     for i, ax in enumerate(axes):
         s, d = cur[i], dst[i]
@@ -190,6 +238,8 @@ def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[A
             continue
         if type(d) is Shard:
             x = local_slice(x, d.dim, ax)
+        elif is_strided(d):
+            x = slice_strided(x, d.dim, split_factor(d), ax)
         elif isinstance(d, Partial):
             x = to_partial(x, d.reduce_op, ax)
         cur[i] = d

@@ -8,6 +8,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
+from dynamo_dist._compat import StridedShard
 from dynamo_dist.errors import DistCompileError
 from dynamo_dist.plans import (DataParallelPlanner, ShardingPlan, TensorParallelPlanner,
                                parameter_groups, shard_module)
@@ -45,14 +46,38 @@ def test_gpt2_conv1d_is_planned_with_its_transposed_layout():
     model = MODELS["gpt2"].build()
     d = _decisions(TensorParallelPlanner().build_plan(model))
     h = "transformer.h.0."
-    # Conv1D's weight is [in, out]: columns split dim 1, rows split dim 0
-    assert d[h + "attn.c_attn.weight"].placement == Shard(1)
+    # Conv1D's weight is [in, out]: columns split dim 1, rows split dim 0; the fused q|k|v
+    # projection block-strided (every rank its slice of q, k and v), its bias likewise
+    assert d[h + "attn.c_attn.weight"].placement == StridedShard(1, split_factor=3)
+    assert d[h + "attn.c_attn.bias"].placement == StridedShard(0, split_factor=3)
     assert "fused" in d[h + "attn.c_attn.weight"].reason  # q|k|v split after it: said so
     assert d[h + "attn.c_proj.weight"].placement == Shard(0)
     assert d[h + "mlp.c_fc.weight"].placement == Shard(1)
     assert d[h + "mlp.c_fc.bias"].placement == Shard(0)
     assert d[h + "mlp.c_proj.weight"].placement == Shard(0)
     assert d[h + "mlp.c_proj.bias"].placement == Replicate()
+
+
+def test_fused_projection_contiguous_where_blocks_do_not_split_evenly():
+    """With the mesh axis size known, a fused width that k parts x n ranks does not divide
+    (gate|up of 2 x 3 on 2 ranks) stays Shard (a contiguous split; the compiler regathers
+    it), and the reason says why; where it divides, _StridedShard."""
+    class GLU(nn.Module):
+        def __init__(self, inter):
+            super().__init__()
+            self.gate_up, self.down = nn.Linear(8, 2 * inter), nn.Linear(inter, 8)
+
+        def forward(self, x):
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(torch.relu(gate) * up)
+
+    x = torch.randn(2, 8)
+    d = _decisions(TensorParallelPlanner(mesh_axis_size=2).build_plan(GLU(3), example_inputs=x))
+    assert d["gate_up.weight"].placement == Shard(0)
+    assert "is not 2 parts x 2 ranks" in d["gate_up.weight"].reason
+    d = _decisions(TensorParallelPlanner(mesh_axis_size=2).build_plan(GLU(4), example_inputs=x))
+    assert d["gate_up.weight"].placement == StridedShard(0, split_factor=2)
+    assert d["gate_up.bias"].placement == StridedShard(0, split_factor=2)
 
 
 def test_bert_pairs_across_parent_modules():
@@ -86,7 +111,10 @@ def test_mixtral_experts_and_router():
     model = MODELS["mixtral"].build()
     d = _decisions(TensorParallelPlanner().build_plan(model))
     experts = "model.layers.0.mlp.experts."
-    assert d[experts + "gate_up_proj"].placement == Shard(1)  # [E, 2I, H]: output features
+    # [E, 2I, H]: output features; gate|up is fused, but the grouped GEMMs do not carry a
+    # block-strided split: contiguous, and the reason says so
+    assert d[experts + "gate_up_proj"].placement == Shard(1)
+    assert "grouped GEMMs" in d[experts + "gate_up_proj"].reason
     assert d[experts + "down_proj"].placement == Shard(2)     # [E, H, I]: input features
     assert not d["model.layers.0.mlp.gate.weight"].sharded    # the router pairs with nothing
     assert "router" in d["model.layers.0.mlp.gate.weight"].reason

@@ -12,11 +12,13 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from inductor_passes.lowering import lower
-from inductor_passes.sharding.placements import Placements, is_placements, shard_range
+from inductor_passes.sharding.placements import (Placements, is_placements, is_strided,
+                                                 shard_range, split_factor)
 
 from ..simulate import Groups, coordinates, run_lockstep
 
-__all__ = ["ReplicaMismatch", "coordinates", "run_spmd", "shard_global", "unshard"]
+__all__ = ["ReplicaMismatch", "coordinates", "run_spmd", "shard_global", "strided_indices",
+           "unshard"]
 
 
 class ReplicaMismatch(AssertionError):
@@ -27,16 +29,33 @@ def shard_global(x: torch.Tensor, placements: Placements, coord: Sequence[int],
                  mesh_shape: Sequence[int]) -> torch.Tensor:
     """The local tensor of the rank at ``coord`` for GLOBAL ``x`` under ``placements``.
 
-    Shard splits like torch.chunk (uneven sizes included); Partial(sum) shares: ``_exact_share``.
+    Shard splits like torch.chunk (uneven sizes included); _StridedShard(d, k): piece c of each
+    of the k blocks of dim d (written here from its definition, by index arithmetic, not by
+    the lowering's reshapes: it is the reference they are tested against); Partial(sum)
+    shares: ``_exact_share``.
     """
     out = x
     for axis, p in enumerate(placements):
         n, c = mesh_shape[axis], coord[axis]
         if isinstance(p, Shard):
             out = out.narrow(p.dim, *shard_range(out.shape[p.dim], n, c))
+        elif is_strided(p):
+            out = out.index_select(p.dim, strided_indices(out.shape[p.dim], split_factor(p), n, c))
         elif isinstance(p, Partial):
             out = _exact_share(out, c)
     return out.contiguous()
+
+
+def strided_indices(size: int, k: int, n: int, r: int) -> torch.Tensor:
+    """GLOBAL indices, in local order, that rank ``r`` of ``n`` holds of a dim of ``size``
+    under _StridedShard(split_factor=k): for each block b, [b B + r c, b B + (r + 1) c) with
+    B = size / k, c = B / n."""
+    if size % (k * n):
+        raise ValueError(f"_StridedShard(split_factor={k}) on {n} ranks: size {size} is not a "
+                         f"multiple of {k * n}")
+    block, c = size // k, size // (k * n)
+    return torch.tensor([b * block + r * c + i for b in range(k) for i in range(c)],
+                        dtype=torch.long)
 
 
 def _exact_share(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -63,6 +82,11 @@ def unshard(locals_: dict[tuple[int, ...], torch.Tensor], placements: Placements
             group = [cur[coord[:axis] + (k,) + coord[axis:]] for k in range(mesh_shape[axis])]
             if isinstance(p, Shard):
                 val = torch.cat(group, dim=p.dim)
+            elif is_strided(p):
+                size = sum(g.shape[p.dim] for g in group)
+                idx = torch.cat([strided_indices(size, split_factor(p), len(group), r)
+                                 for r in range(len(group))])
+                val = torch.cat(group, dim=p.dim).index_select(p.dim, torch.argsort(idx))
             elif isinstance(p, Partial):
                 val = torch.stack(group).sum(0).to(group[0].dtype)  # (sum promotes ints)
             else:

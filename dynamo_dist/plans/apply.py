@@ -15,6 +15,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
+from inductor_passes.sharding.placements import is_strided
+
 from .. import _compat
 from ..errors import DistCompileError, describe_mesh
 from .spec import ShardingPlan, to_placements, validate_placements
@@ -134,6 +136,12 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
                                        f"mesh", mesh=describe_mesh(mesh),
                                        fix="shard each module once")
             dt = param.redistribute(mesh, placements)
+        elif any(is_strided(p) for p in placements):
+            # _StridedShard: replicate from rank 0, then every rank slices its blocks locally
+            # (torch 2.13's scatter path for it, under LocalTensorMode, gives every simulated
+            # rank rank 0's piece: a silently wrong parameter)
+            plain = [Replicate() if is_strided(p) else p for p in placements]
+            dt = distribute_tensor(param.detach(), mesh, plain).redistribute(mesh, placements)
         else:
             dt = distribute_tensor(param.detach(), mesh, list(placements))
         new = nn.Parameter(dt, requires_grad=param.requires_grad)

@@ -11,6 +11,8 @@ import torch.nn as nn
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from .apply import parameter_groups
+from inductor_passes.sharding.placements import is_split
+
 from .spec import ParamDecision, ShardingPlan
 from .tensor_parallel import ShardingPlanner, _log_summary
 
@@ -42,7 +44,7 @@ class DataParallelPlanner(ShardingPlanner):
         for p, names in parameter_groups(module):
             taken = [base.placement_for(n) for n in names]
             used = {pl.dim for spec in taken if isinstance(spec, Mapping)
-                    for pl in spec.values() if isinstance(pl, Shard)}
+                    for pl in spec.values() if is_split(pl)}
             dim, why = self._dim(p, used)
             if dim is None:
                 decisions.append(ParamDecision(tuple(names), tuple(p.shape), self.axis,

@@ -16,7 +16,8 @@ Ops pass the set on, except ops that mix the features of a projection's full out
 the pair ends. A projection whose input carries such a set is row-parallel and its output
 carries nothing (it is complete after the all_reduce); any other projection is a column
 candidate. A column output split into equal parts along its full width (GPT-2's ``c_attn``
-q|k|v) is a fused projection, recorded with its number of parts.
+q|k|v by ``split``, Phi-3's ``qkv_proj`` by slices) is a fused projection, recorded with its
+number of parts.
 
 Everything is read on a real forward of the module on small example inputs, in eval mode, under
 ``no_grad``, with the RNG state restored after: the module is not changed.
@@ -61,6 +62,7 @@ class Projection:
     feeds: list[int] = dataclasses.field(default_factory=list)   # ids of rows it feeds
     fed_by: list[int] = dataclasses.field(default_factory=list)  # ids of columns feeding it
     parts: int | None = None         # fused: output split into this many equal parts (0: unequal)
+    cuts: set[int] = dataclasses.field(default_factory=set)  # last-dim slice bounds read of it
     conflict: str | None = None      # why the trace could not give it one role
     calls: int = 0
     heads: int | None = None         # its output viewed as [..., heads, head_dim]
@@ -106,6 +108,8 @@ class _Provenance(TorchFunctionMode):
             tags = self._surviving(name, x, args, kwargs, tags)
             if x is not None and name in _SPLIT:
                 self._note_split(x, args, kwargs, out, tags)
+            if x is not None and name == "__getitem__" and len(args) > 1:
+                self._note_slice(x, args[1], tags)
             if x is not None and name in ("view", "reshape", "unflatten"):
                 self._note_heads(x, out, tags)
         self._tag(out, tags)
@@ -249,6 +253,28 @@ class _Provenance(TorchFunctionMode):
             width = self.params[table].shape[-1]
             if width == bias.shape[-3] and width in heads:
                 self.head_tables[table] = width
+
+    def _note_slice(self, x, index, tags) -> None:
+        """``x[..., a:b]`` of a column output's full width (Phi-3's q|k|v by slices): the cut
+        points of every such read; the parts are the pieces between them (equal or not)."""
+        idx = index if isinstance(index, tuple) else (index,)
+        if not idx or not isinstance(idx[-1], slice) or idx[-1].step not in (None, 1):
+            return
+        if Ellipsis in idx:
+            if idx.index(Ellipsis) != len(idx) - 2:
+                return
+        elif len(idx) != x.ndim or any(i != slice(None) for i in idx[:-1]):
+            return
+        start, stop, _ = idx[-1].indices(x.shape[-1])
+        for t in tags:
+            proj = self.projections[t]
+            if x.shape[-1] != proj.width or stop <= start:
+                continue
+            proj.cuts.update((start, stop))
+            bounds = sorted(proj.cuts | {0, proj.width})
+            sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+            if len(sizes) > 1:
+                proj.parts = len(sizes) if len(set(sizes)) == 1 else 0
 
     def _note_heads(self, x, out, tags) -> None:
         """A column output (or one part of a fused one) viewed as [..., heads, head_dim]."""

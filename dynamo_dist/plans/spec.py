@@ -17,6 +17,8 @@ from typing import Any, Mapping, Sequence
 from torch.distributed.tensor import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from inductor_passes.sharding.placements import fmt, is_strided
+
 from ..errors import DistCompileError, describe_mesh
 
 
@@ -80,8 +82,41 @@ def validate_placements(what: str, shape: Sequence[int], mesh: DeviceMesh,
                 fail(f"Shard({p.dim}) on mesh axis '{names[axis]}' but the tensor has "
                      f"{len(shape)} dims",
                      f"use Shard(d) with 0 <= d < {len(shape)}, or Replicate()")
+        elif is_strided(p):
+            k, n = p.split_factor, mesh.size(axis)
+            if not -len(shape) <= p.dim < len(shape):
+                fail(f"{p!r} on mesh axis '{names[axis]}' but the tensor has {len(shape)} dims",
+                     f"use a dim d with 0 <= d < {len(shape)}")
+            elif not isinstance(k, int) or k < 1 or shape[p.dim] % (k * n):
+                fail(f"{p!r} on mesh axis '{names[axis]}' (size {n}): dim {p.dim} of size "
+                     f"{shape[p.dim]} is not {k} blocks each split evenly in {n}",
+                     f"use a split_factor k (the number of fused parts) with k x {n} dividing "
+                     f"{shape[p.dim]}, or Shard({p.dim})")
         elif not isinstance(p, (Replicate, Partial)):
-            fail(f"unsupported placement {p!r}", "use Shard(d), Replicate() or Partial()")
+            fail(f"unsupported placement {p!r}",
+                 "use Shard(d), _StridedShard(d, split_factor=k), Replicate() or Partial()")
+
+
+def refuse_strided_nesting(what: str, shape: Sequence[int], mesh: DeviceMesh,
+                           placements: Sequence[Placement], source: str | None = None) -> None:
+    """Raise DistCompileError when a tensor dim is split by two mesh axes and one of them is a
+    _StridedShard (DTensor's right-to-left FSDP2-over-TP layout): a value pinned inside the
+    program must be one the compiler lowers exactly, and nested strided splits are not (a
+    parameter in that layout is fine: DTensor regathers it at the program boundary)."""
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    by_dim: dict[int, list[int]] = {}
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard) or is_strided(p):
+            by_dim.setdefault(p.dim % max(len(shape), 1), []).append(axis)
+    for dim, axes in by_dim.items():
+        if len(axes) > 1 and any(is_strided(placements[a]) for a in axes):
+            raise DistCompileError(
+                f"{what}: tensor dim {dim} is split by mesh axes "
+                f"{', '.join(repr(names[a]) for a in axes)} and one of them is block-strided "
+                f"(_StridedShard); nested splits of a dim are not planned", source=source,
+                shapes=[shape], mesh=describe_mesh(mesh), placements=list(placements),
+                fix="split that dim on one mesh axis only (another dim on the other), or pin "
+                    "Replicate on one of them")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,7 +207,7 @@ def format_decisions(decisions: Sequence[ParamDecision]) -> str:
     lines = [f"{'parameter':<48} {'shape':<16} {'axis':<5} {'placement':<10} {'role':<11} reason"]
     for d in rows:
         name = d.names[0] + (f" (= {', '.join(d.names[1:])})" if len(d.names) > 1 else "")
-        pl = f"S({d.placement.dim})" if isinstance(d.placement, Shard) else "R"
+        pl = fmt((d.placement,))[1:-1]
         lines.append(f"{name:<48} {str(d.shape):<16} {d.axis:<5} {pl:<10} {d.role:<11} "
                      f"{d.reason}")
     return "\n".join(lines)

@@ -10,6 +10,8 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
+from inductor_passes.sharding.placements import is_split, split_factor, strided
+
 from .apply import parameter_groups
 from .dataflow import Dataflow, Projection, example_inputs, trace_projections
 from .spec import ParamDecision, ShardingPlan
@@ -40,12 +42,17 @@ class TensorParallelPlanner(ShardingPlanner):
     attention, reach another projection's input is column-parallel (weight split on its output
     features: ``Shard(0)`` for ``nn.Linear``, ``Shard(1)`` for transformers' ``Conv1D``, the
     middle dim of a 3-D expert tensor), and that reader is row-parallel (split on its input
-    features); a column bias is split with its output, a row bias stays whole. Projections
-    that pair with nothing (the output head, a MoE router, a pooler) stay replicated, except the
-    output head with ``shard_output_head`` (vocabulary-parallel logits). Given ``mesh_axis_size``,
-    a column projection whose output is viewed as a number of heads that size does not divide
-    (multi-query attention's single key/value head) stays replicated: a split would cut a head.
-    Without example inputs
+    features); a column bias is split with its output, a row bias stays whole. A fused column
+    projection whose output the program splits into k equal parts (GPT-2's ``c_attn`` q|k|v,
+    gate|up) is split block-strided, ``_StridedShard(out_dim, split_factor=k)``: every rank
+    holds its slice of each part, as in Megatron-LM (with ``mesh_axis_size`` n given, only where
+    k x n divides its width; otherwise, for unequal parts, and for 3-D expert tensors, whose
+    grouped GEMMs do not carry the strided layout, contiguously, which regathers).
+    Projections that pair with nothing (the output head, a MoE router, a pooler) stay
+    replicated, except the output head with ``shard_output_head`` (vocabulary-parallel logits).
+    Given ``mesh_axis_size``, a column projection whose output is viewed as a number of heads
+    that size does not divide (multi-query attention's single key/value head) stays replicated:
+    a split would cut a head. Without example inputs
     for a module that is not a transformers model, pairs are read from the module structure:
     well-known projection names, else Linear children of one parent that widen and narrow
     back. Every parameter gets a ``ParamDecision`` saying what it was taken for and why
@@ -75,14 +82,14 @@ class TensorParallelPlanner(ShardingPlanner):
                                                    id(head) == id(p), how)
             decisions.append(ParamDecision(tuple(names), tuple(p.shape), self.axis, placement,
                                            role, reason))
-            if isinstance(placement, Shard):
+            if is_split(placement):
                 for n in names:
                     plan[n] = {self.axis: placement}
             if proj.bias is not None and id(proj.bias) not in decided:
                 decided.add(id(proj.bias))
                 bias_names = names_of[id(proj.bias)]
-                if isinstance(placement, Shard) and role.startswith("column"):
-                    bias_pl = Shard(proj.bias.ndim - 1)
+                if is_split(placement) and role.startswith("column"):
+                    bias_pl = strided(proj.bias.ndim - 1, split_factor(placement))
                     for n in bias_names:
                         plan[n] = {self.axis: bias_pl}
                     decisions.append(ParamDecision(bias_names, tuple(proj.bias.shape), self.axis,
@@ -154,11 +161,27 @@ class TensorParallelPlanner(ShardingPlanner):
                 f"{self.mesh_axis_size} does not divide: a split would cut a head (attention " \
                 f"reads it whole beside the split query)"
         if proj.feeds:
-            if proj.parts:
+            if proj.parts and proj.weight.ndim > 2:
+                # measured on Mixtral tp=2: the grouped GEMM rules pass only Shard, so the
+                # strided layout was moved to a contraction split (2 all_to_all + 2 all_reduce
+                # more a step than the contiguous split's 2 + 2 gathers)
                 return Shard(proj.out_dim), "column", \
-                    f"fused projection: its output is split in {proj.parts} parts on the split " \
-                    f"dim, so a contiguous shard does not hold whole parts and the compiler " \
-                    f"regathers its output before the split (strided sharding is not planned yet)"
+                    f"fused expert projection ({proj.parts} parts): the grouped GEMMs keep " \
+                    f"only contiguous splits, so its output is regathered before the split " \
+                    f"(a block-strided split would be moved to a worse one)"
+            if proj.parts and (self.mesh_axis_size is None or
+                               proj.width % (proj.parts * self.mesh_axis_size) == 0):
+                return strided(proj.out_dim, proj.parts), "column", \
+                    f"fused projection: its output is split in {proj.parts} equal parts, so " \
+                    f"every rank holds its slice of each part (_StridedShard, Megatron's " \
+                    f"layout) and the parts split on local shards without a gather; they " \
+                    f"reach {len(proj.feeds)} row-parallel projection(s) ({how})"
+            if proj.parts is not None:
+                why = "unequal parts" if not proj.parts else \
+                    f"{proj.width} is not {proj.parts} parts x {self.mesh_axis_size} ranks"
+                return Shard(proj.out_dim), "column", \
+                    f"fused projection ({why}): a contiguous shard does not hold whole parts, " \
+                    f"so the compiler regathers its output before the split"
             return Shard(proj.out_dim), "column", \
                 f"its split outputs reach {len(proj.feeds)} row-parallel projection(s) ({how})"
         if is_head and self.shard_output_head:

@@ -1,5 +1,8 @@
 """Communication cost of a redistribute, alpha-beta model per mesh axis.
 
+_StridedShard is priced as the Shard it is lowered like (the same collectives, plus local block
+reorders, which are free here as local slices are).
+
 Cost unit: bytes-equivalent on the wire per rank (the beta term), plus a fixed latency of
 ``LATENCY_BYTES`` per collective (the alpha term, expressed in bytes so the two add). Ring
 algorithms' volumes follow Thakur et al., "Optimization of Collective Communication Operations in
@@ -13,9 +16,9 @@ import weakref
 from typing import Sequence
 
 import torch
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from .placements import Placements, is_placements, local_shape, nbytes
+from .placements import Placements, is_placements, is_split, local_shape, nbytes
 
 LATENCY_BYTES = 64 * 1024
 # A free local re-slice still changes the value; ties are broken towards fewer changes.
@@ -60,10 +63,15 @@ def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements,
             continue
         local = nbytes(local_shape(shape, tuple(cur), mesh_shape), dtype)
         before = cost
-        if type(s) is Shard and type(d) is Shard:
+        if is_split(s) and is_split(d) and s.dim == d.dim:
+            # one dim in two layouts (Shard <-> _StridedShard, or two split factors): lowered
+            # as a gather and a local slice (redistribute.py)
+            cost += LATENCY_BYTES + local * (n - 1)
+            cur[axis] = Replicate()
+        elif is_split(s) and is_split(d):
             cost += LATENCY_BYTES + local * (n - 1) / n
             cur[axis] = d
-        elif isinstance(s, Partial) and type(d) is Shard and s.reduce_op in ("sum", "avg"):
+        elif isinstance(s, Partial) and is_split(d) and s.reduce_op in ("sum", "avg"):
             # A reduce_scatter moves half an all_reduce's bytes, but a greedy walk that takes it
             # for that reason pays the other half (an all_gather) at the next replicated
             # consumer, plus a latency. Priced as reduce_scatter + that all_gather.
@@ -75,7 +83,7 @@ def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements,
         elif isinstance(s, Partial):
             cost += LATENCY_BYTES + 2 * local * (n - 1) / n
             cur[axis] = Replicate()
-        else:  # Shard -> Replicate / Partial
+        else:  # Shard / _StridedShard -> Replicate / Partial
             cost += LATENCY_BYTES + local * (n - 1)
             cur[axis] = Replicate()
         if weights is not None:
@@ -139,7 +147,7 @@ def _first_tensor(node):
 def _split_degree(output: Placements, mesh_shape: Sequence[int]) -> int:
     degree = 1
     for axis, p in enumerate(output):
-        if type(p) is Shard or isinstance(p, Partial):
+        if is_split(p) or isinstance(p, Partial):
             degree *= mesh_shape[axis]
     return degree
 

@@ -1,18 +1,31 @@
 """Placement helpers shared by rules, propagation and lowering.
 
 A value's sharding is a tuple with one torch ``Placement`` per mesh axis (``Shard(d)``,
-``Replicate()``, ``Partial(op)``), exactly DTensor's convention. Only these three exact types are
-accepted in a plan: DTensor's internal variants (``_StridedShard``, ``MaskPartial``) change the
-meaning of the local computation and would need lowering we do not do.
+``Replicate()``, ``Partial(op)``, ``_StridedShard(d, split_factor=k)``), exactly DTensor's
+convention. Other DTensor variants (``MaskPartial``...) change the meaning of the local
+computation in ways we do not lower and are not accepted in a plan.
+
+Block-strided sharding, ``_StridedShard(d, split_factor=k)`` on a mesh axis of size n ("SS(d,k)"):
+tensor dim d (GLOBAL size D) is k blocks of D/k; each block is split in n contiguous pieces of
+c = D/(k n), and rank r holds piece r of EVERY block, in block order (local size D/n). It is
+Megatron-LM's layout of a fused projection (q|k|v, gate|up): rank r holds [q_r, k_r, v_r], so
+splitting the local output at the block boundaries gives each rank its Shard of every part. Its
+meaning is DTensor's (``placement_types._StridedShard._split_tensor``) for a dim that no other
+mesh axis splits. We hold it only when D is a multiple of k n (every piece the same size) and no
+other mesh axis splits dim d (DTensor's nested right-to-left use of it, FSDP2 over TP, is not
+planned: such inputs are gathered at the program boundary, see ``plannable``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import re
+from typing import Iterable, Sequence
 
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from dynamo_dist._compat import StridedShard
 
 Placements = tuple[Placement, ...]
 
@@ -34,32 +47,88 @@ def nonpartial(placements: Placements) -> Placements:
 
 
 def is_plain(p: Placement) -> bool:
-    """True for exactly Shard / Replicate / Partial(sum|avg|max|min)."""
+    """True for exactly Shard / Replicate / Partial(sum|avg|max|min) / _StridedShard with an
+    integer split factor of at least 2 (factor 1 is Shard: ``normalize`` rewrites it)."""
     if type(p) is Shard or type(p) is Replicate:
         return True
+    if type(p) is StridedShard:
+        return isinstance(p.split_factor, int) and p.split_factor >= 2
     return type(p) is Partial and p.reduce_op in SUPPORTED_PARTIAL_OPS
 
 
+def is_strided(p: Placement) -> bool:
+    return type(p) is StridedShard
+
+
+def is_split(p: Placement) -> bool:
+    """Shard or _StridedShard: every rank holds a part of one tensor dim (``p.dim``).
+    (DTensor's own ``is_shard()`` is False for _StridedShard.)"""
+    return type(p) is Shard or type(p) is StridedShard
+
+
+def split_factor(p: Placement) -> int:
+    """k of _StridedShard(d, split_factor=k); 1 for Shard (one block)."""
+    return int(p.split_factor) if type(p) is StridedShard else 1
+
+
+def strided(dim: int, k: int) -> Placement:
+    """The placement splitting ``dim`` in ``k`` blocks: Shard(dim) for one block."""
+    return Shard(dim) if k == 1 else StridedShard(dim, split_factor=k)
+
+
+def shard_twin(placements: Placements) -> Placements:
+    """Every _StridedShard(d, k) as Shard(d): what rules that do not know block-strided
+    sharding are asked with (``rules.strided`` lifts their answers back)."""
+    return tuple(Shard(p.dim) if type(p) is StridedShard else p for p in placements)
+
+
+def strided_factors(placements: Iterable) -> frozenset[int]:
+    """The split factors of every _StridedShard in ``placements`` (Placements, or nested tuples
+    of them for multi-output values; None entries skipped)."""
+    out: set[int] = set()
+
+    def walk(x) -> None:
+        if x is None:
+            return
+        if isinstance(x, (tuple, list)):
+            for y in x:
+                walk(y)
+        elif type(x) is StridedShard:
+            out.add(int(x.split_factor))
+
+    walk(placements)
+    return frozenset(out)
+
+
 def normalize(placements: Sequence[Placement], ndim: int) -> Placements:
-    """Shard(-1) -> Shard(ndim-1), so equal shardings compare equal."""
+    """Shard(-1) -> Shard(ndim-1) (the same for _StridedShard), _StridedShard(d, 1) -> Shard(d),
+    so equal shardings compare equal."""
     out = []
     for p in placements:
         if type(p) is Shard and p.dim < 0:
             p = Shard(p.dim + ndim)
+        elif type(p) is StridedShard:
+            k = p.split_factor
+            d = p.dim + ndim if p.dim < 0 else p.dim
+            p = Shard(d) if k == 1 else (StridedShard(d, split_factor=k) if d != p.dim else p)
         out.append(p)
     return tuple(out)
 
 
 def valid_for(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
     """Placements a value can hold: plain types, dims in range, no tensor dim cut by two mesh
-    axes (nested sharding is not lowered yet). Uneven splits are valid (chunk semantics, see
-    ``shard_range``); ``rules.op_strategy`` decides which ops may compute on them."""
+    axes (nested sharding is not lowered yet). Uneven Shard splits are valid (chunk semantics,
+    see ``shard_range``); ``rules.op_strategy`` decides which ops may compute on them. A
+    _StridedShard(d, k) on a mesh axis of size n is valid only when shape[d] is a multiple of
+    k * n (blocks split evenly: every rank holds D/n)."""
     seen: set[int] = set()
     for axis, p in enumerate(placements):
         if not is_plain(p):
             return False
-        if type(p) is Shard:
+        if type(p) is Shard or type(p) is StridedShard:
             if not 0 <= p.dim < len(shape) or p.dim in seen:
+                return False
+            if type(p) is StridedShard and shape[p.dim] % (p.split_factor * mesh_shape[axis]):
                 return False
             seen.add(p.dim)
     return True
@@ -88,10 +157,14 @@ def plannable(shape: Sequence[int], placements: Placements,
     for axis, p in enumerate(placements):
         if not is_plain(p):
             why.append(f"mesh axis {axis}: {p!r} is not supported")
-        elif type(p) is Shard and p.dim in seen:
+        elif is_split(p) and p.dim in seen:
             why.append(f"mesh axis {axis}: dim {p.dim} is already split by another mesh axis")
+        elif type(p) is StridedShard and (not 0 <= p.dim < len(shape) or
+                                          shape[p.dim] % (p.split_factor * mesh_shape[axis])):
+            why.append(f"mesh axis {axis}: {p!r} needs dim {p.dim} to be a multiple of "
+                       f"split_factor x mesh axis size = {p.split_factor * mesh_shape[axis]}")
         else:
-            if type(p) is Shard:
+            if is_split(p):
                 seen.add(p.dim)
             continue
         out[axis] = Replicate()
@@ -108,6 +181,12 @@ def local_shape(shape: Sequence[int], placements: Placements, mesh_shape: Sequen
             n = mesh_shape[axis]
             out[p.dim] = -(-out[p.dim] // n) if coordinate is None else \
                 shard_range(out[p.dim], n, coordinate[axis])[1]
+        elif type(p) is StridedShard:
+            n = mesh_shape[axis]
+            if out[p.dim] % (p.split_factor * n):
+                raise ValueError(f"{p!r} on a mesh axis of size {n} cannot split a dim of size "
+                                 f"{out[p.dim]} evenly")
+            out[p.dim] //= n
     return tuple(out)
 
 
@@ -116,13 +195,16 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 def fmt(placements: Placements | None) -> str:
-    """Short form: 'S(0)', 'R', 'P(sum)', joined by ',' per mesh axis."""
+    """Short form: 'S(0)', 'SS(1,3)' (_StridedShard(1, split_factor=3)), 'R', 'P(sum)', joined
+    by ',' per mesh axis."""
     if placements is None:
         return "-"
     parts = []
     for p in placements:
         if type(p) is Shard:
             parts.append(f"S({p.dim})")
+        elif type(p) is StridedShard:
+            parts.append(f"SS({p.dim},{p.split_factor})")
         elif type(p) is Replicate:
             parts.append("R")
         elif isinstance(p, Partial):
@@ -132,17 +214,28 @@ def fmt(placements: Placements | None) -> str:
     return "[" + ",".join(parts) + "]"
 
 
+_TOKEN = re.compile(r"\s*(R|S\((-?\d+)\)|SS\((-?\d+),\s*(\d+)\)|P\((\w+)\))\s*(,|$)")
+
+
 def parse(text: str) -> Placements:
-    """Inverse of ``fmt``: '[S(0),R,P(sum)]' -> (Shard(0), Replicate(), Partial('sum'))."""
-    body = text.strip().strip("[]")
+    """Inverse of ``fmt``: '[S(0),SS(1,3),R,P(sum)]' -> (Shard(0), _StridedShard(1,
+    split_factor=3), Replicate(), Partial('sum')). Raises ValueError on anything else."""
+    body = text.strip()
+    if body.startswith("[") and body.endswith("]"):
+        body = body[1:-1]
     out: list[Placement] = []
-    for part in filter(None, (s.strip() for s in body.split(","))):
-        if part == "R":
+    pos = 0
+    while body[pos:].strip():
+        m = _TOKEN.match(body, pos)
+        if m is None:
+            raise ValueError(f"cannot parse placement at '{body[pos:]}' in '{text}'")
+        if m.group(1) == "R":
             out.append(Replicate())
-        elif part.startswith("S(") and part.endswith(")"):
-            out.append(Shard(int(part[2:-1])))
-        elif part.startswith("P(") and part.endswith(")"):
-            out.append(Partial(part[2:-1]))
+        elif m.group(2) is not None:
+            out.append(Shard(int(m.group(2))))
+        elif m.group(3) is not None:
+            out.append(StridedShard(int(m.group(3)), split_factor=int(m.group(4))))
         else:
-            raise ValueError(f"cannot parse placement '{part}' in '{text}'")
+            out.append(Partial(m.group(5)))
+        pos = m.end()
     return tuple(out)

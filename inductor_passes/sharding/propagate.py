@@ -22,8 +22,9 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial
 
 from .cost import axis_weights, redistribute_cost
-from .placements import Placements, fmt, is_placements, nbytes, nonpartial, replicate
-from .rules import GETITEM, OpSpec, node_cost, op_strategy, replicated_spec, tensor_args
+from .placements import (Placements, fmt, is_placements, is_split, nbytes, nonpartial, replicate,
+                         strided_factors)
+from .rules import GETITEM, OpSpec, Strided, node_cost, op_strategy, replicated_spec, tensor_args
 
 log = logging.getLogger("dynamo_dist.sharding")
 
@@ -304,13 +305,17 @@ class _Walk:
         self.price = EdgePricer(gm, mesh, origins, data_axes, greedy=True)
         self.data_idx = _data_idx(mesh, data_axes)
         self.strategies: dict[tuple, list[OpSpec]] = {}
+        from .solver import program_factors
+
+        self.program_factors = program_factors(gm, primal_placements, constraint_of)
 
     def _specs(self, node, current) -> list[OpSpec]:
         key = (node, tuple(current))
         if key not in self.strategies:
+            strided_in = Strided(strided_factors(current), self.program_factors)
             self.strategies[key] = [
                 sp for sp in op_strategy(node, current, self.mesh, self.mesh_shape,
-                                         self.constraint_of)
+                                         self.constraint_of, strided_in)
                 if data_parallel_ok(node, sp, self.bwd, self.data_idx)]
         return self.strategies[key]
 
@@ -464,9 +469,9 @@ class EdgePricer:
                                  self.greedy, self.weights)
         priced = self.params.get(node)
         if priced is not None:
-            if any(cur[i].is_shard() and not req[i].is_shard() for i in priced):
+            if any(is_split(cur[i]) and not is_split(req[i]) for i in priced):
                 cost *= PARAM_GATHER_FACTOR
-        elif any(cur[i].is_shard() and cur[i] != req[i] for i in self.data_idx):
+        elif any(is_split(cur[i]) and cur[i] != req[i] for i in self.data_idx):
             cost *= DATA_AXIS_ACTIVATION_FACTOR
         return cost
 

@@ -30,9 +30,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch.fx as fx
 
-from .placements import Placements, is_placements, nonpartial, replicate
-from .rules import (GETITEM, OpSpec, has_node_cost, node_cost, op_strategy, replicated_spec,
-                    tensor_args)
+from .placements import Placements, is_placements, nonpartial, replicate, strided_factors
+from .rules import (GETITEM, OpSpec, Strided, has_node_cost, node_cost, op_strategy,
+                    replicated_spec, tensor_args)
+from .rules.strided import NONE as NO_STRIDED
 
 log = logging.getLogger("dynamo_dist.sharding")
 
@@ -51,6 +52,22 @@ def _agrees(spec: OpSpec, base: OpSpec, free_axis: int | None) -> bool:
 
     return same(spec.output, base.output) and len(spec.inputs) == len(base.inputs) and \
         all(same(x, y) for x, y in zip(spec.inputs, base.inputs))
+
+
+def program_factors(gm: fx.GraphModule, pinned, constraint_of) -> frozenset[int]:
+    """Split factors of the _StridedShard placements a program pins: ``pinned`` (its inputs'
+    placements) and its sharding constraints. Empty for almost every program: then no rule
+    offers a strided option and planning is what it was before strided sharding."""
+    found = strided_factors(pinned)
+    for node in gm.graph.find_nodes(op="call_function", target=_constraint_op()):
+        found |= strided_factors(constraint_of(node))
+    return found
+
+
+def _constraint_op():
+    from dynamo_dist.annotations import CONSTRAINT_OP  # lazy: dynamo_dist imports this package
+
+    return CONSTRAINT_OP
 
 
 class _TooLarge(Exception):
@@ -114,11 +131,12 @@ class ShardingILP:
                      "nodes); not solved", max_vars, len(self.options), len(gm.graph.nodes))
 
     # -- OpStrategies ----------------------------------------------------------------------------
-    def strategy(self, node: fx.Node, current) -> list[OpSpec]:
-        key = (node, tuple(current))
+    def strategy(self, node: fx.Node, current, strided_in: Strided = NO_STRIDED) -> list[OpSpec]:
+        key = (node, tuple(current), strided_in)
         specs = self._strategies.get(key)
         if specs is None:
-            specs = op_strategy(node, current, self.mesh, self.mesh_shape, self.constraint_of)
+            specs = op_strategy(node, current, self.mesh, self.mesh_shape, self.constraint_of,
+                                strided_in)
             specs = [sp for sp in specs if self.keep is None or self.keep(node, sp)]
             self._strategies[key] = specs
         return list(specs)
@@ -135,6 +153,8 @@ class ShardingILP:
         bwd = tangent_dependent(self.gm.graph)
         order = [n for n in self.gm.graph.nodes if n not in bwd] + self.tangents + \
             [n for n in self.gm.graph.nodes if n in bwd and n not in tangent_src]
+        program = program_factors(self.gm, [s.output for o in self.options.values() for s in o],
+                                  self.constraint_of)
         for node in order:
             if node in self.options or node.op == "output":
                 continue
@@ -158,7 +178,11 @@ class ShardingILP:
             targs = tensor_args(node)
             choices = [self.outputs_of(a) for a in targs]
             first = [c[0] for c in choices]
-            specs = self.strategy(node, first)
+            # block-strided options only for the split factors the inputs may hold (and, for
+            # ops that build them from pieces, the program's own): ``rules.strided``
+            local = strided_factors(choices)
+            strided_in = Strided(local, program) if local or program else NO_STRIDED
+            specs = self.strategy(node, first, strided_in)
             if specs and specs[0].source.startswith("dtensor:"):
                 # DTensor's rules enumerate from the inputs' current placements: ask once per
                 # placement each input can take (others at their first), and take the union
@@ -166,7 +190,7 @@ class ShardingILP:
                     for o in opts[1:]:
                         cur = list(first)
                         cur[k] = o
-                        specs += self.strategy(node, cur)
+                        specs += self.strategy(node, cur, strided_in)
             specs = list(dict.fromkeys(specs))
             if self.base is not None and node.name in self.base:
                 keep = self.base[node.name]

@@ -1,6 +1,7 @@
 """Under torchrun (gloo, 4 ranks, 2x2 mesh): every placement pair our lowering emits, checked
 against the global value, for an evenly split tensor and an unevenly split one (pieces of 2 and
-1, 3 and 2, 1 and 0). Exits non-zero on the first mismatch."""
+1, 3 and 2, 1 and 0), and every pair with a block-strided placement (_StridedShard) on either
+side. Exits non-zero on the first mismatch."""
 
 import itertools
 import sys
@@ -10,6 +11,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from dynamo_dist._compat import StridedShard
+from dynamo_dist.conformance.simulate import strided_indices
 from inductor_passes.redistribute import mesh_axes, redistribute
 from inductor_passes.sharding.placements import fmt, local_shape, shard_range, valid_for
 
@@ -20,6 +23,9 @@ def local_of(full, placements, mesh, axes):
     for i, (p, ax) in enumerate(zip(placements, axes)):
         if isinstance(p, Shard):
             x = x.narrow(p.dim, *shard_range(x.shape[p.dim], ax.size, ax.coordinate))
+        elif isinstance(p, StridedShard):
+            x = x.index_select(p.dim, strided_indices(x.shape[p.dim], p.split_factor, ax.size,
+                                                      ax.coordinate))
         elif isinstance(p, Partial):
             # rank-dependent split that sums (or maxes / averages) back to the value
             if p.reduce_op == "sum":
@@ -36,20 +42,28 @@ def main() -> int:
     torch.manual_seed(0)
     one_axis = [Replicate(), Shard(0), Shard(1), Shard(2), Partial("sum"), Partial("max")]
     checked = 0
-    pairs = itertools.product(one_axis, repeat=2)
-    for full, src in itertools.product([torch.randn(4, 6, 8, dtype=torch.float64),
-                                        torch.randn(3, 5, 1, dtype=torch.float64)], pairs):
-        for dst in itertools.product(one_axis[:4], repeat=2):
-            if not (valid_for(full.shape, src, (2, 2)) and valid_for(full.shape, dst, (2, 2))):
-                continue
-            got = redistribute(local_of(full, src, mesh, axes), src, dst, axes, lambda *a: None,
-                               full.shape)
-            want = local_of(full, dst, mesh, axes)
-            if got.shape != local_shape(full.shape, dst, (2, 2), [ax.coordinate for ax in axes]) or \
-                    not torch.allclose(got, want, rtol=1e-12, atol=1e-12):
-                print(f"MISMATCH {fmt(src)} -> {fmt(dst)} on rank {dist.get_rank()}", flush=True)
-                return 1
-            checked += 1
+    strided = [Replicate(), Shard(0), StridedShard(1, split_factor=3),
+               StridedShard(2, split_factor=2), Partial("sum")]
+    cases = [(full, src, dst)
+             for full in (torch.randn(4, 6, 8, dtype=torch.float64),
+                          torch.randn(3, 5, 1, dtype=torch.float64))
+             for src in itertools.product(one_axis, repeat=2)
+             for dst in itertools.product(one_axis[:4], repeat=2)]
+    full = torch.randn(4, 6, 8, dtype=torch.float64)
+    cases += [(full, src, dst) for src in itertools.product(strided, repeat=2)
+              for dst in itertools.product(strided[:4], repeat=2)
+              if any(isinstance(p, StridedShard) for p in (*src, *dst))]
+    for full, src, dst in cases:
+        if not (valid_for(full.shape, src, (2, 2)) and valid_for(full.shape, dst, (2, 2))):
+            continue
+        got = redistribute(local_of(full, src, mesh, axes), src, dst, axes, lambda *a: None,
+                           full.shape)
+        want = local_of(full, dst, mesh, axes)
+        if got.shape != local_shape(full.shape, dst, (2, 2), [ax.coordinate for ax in axes]) or \
+                not torch.allclose(got, want, rtol=1e-12, atol=1e-12):
+            print(f"MISMATCH {fmt(src)} -> {fmt(dst)} on rank {dist.get_rank()}", flush=True)
+            return 1
+        checked += 1
     if dist.get_rank() == 0:
         print(f"REDISTRIBUTE OK {checked} pairs")
     dist.barrier()

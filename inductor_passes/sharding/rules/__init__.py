@@ -16,6 +16,8 @@ Each family lives in its own module (``pointwise``, ``matmul``, ``attention``, `
 dispatches a node to its family, applies the filters every OpSpec must pass (``op_strategy``),
 and prices what an OpSpec costs beyond its input redistributes (``node_cost``: compute,
 collectives inside the op).
+Block-strided sharding (``_StridedShard``) is added on top of every family by ``strided``: rules
+are asked with its Shard twin and their answers lifted.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from dynamo_dist import _compat  # noqa: F401  (its Inductor imports register th
 from dynamo_dist.ops import MATMUL_ND
 
 from ..cost import ATTENTION_OPS, BYTES_PER_FLOP, MATMUL_OPS, node_compute_cost
-from ..placements import Placements, is_placements, replicate, shard_range
+from ..placements import (Placements, is_placements, replicate, shard_range, shard_twin,
+                          strided_factors)
 from .attention import ATTENTION, attention_strategy
 from .base import (GETITEM, AxisOption, OpSpec, expand_multi_output, expand_to_mesh,
                    replicated_spec, tensor_args, val_shape)
@@ -43,26 +46,41 @@ from .matmul import EINSUM, einsum_strategy
 from .moments import MOMENTS, in_op_cost, moments_strategy
 from .pool import PLANNED_WHOLE, POOL, pool_strategy
 from .pointwise import REVERSE, is_pointwise, is_random, pointwise_strategy, reverse_strategy
+from .strided import RESHAPES, Strided, with_strided
 
-__all__ = ["GETITEM", "AxisOption", "OpSpec", "expand_multi_output", "expand_to_mesh",
-           "PLANNED_WHOLE", "has_node_cost", "is_pointwise", "is_random", "node_cost", "op_strategy",
-           "replicated_spec", "tensor_args", "val_shape"]
+__all__ = ["GETITEM", "AxisOption", "OpSpec", "Strided", "expand_multi_output",
+           "expand_to_mesh", "PLANNED_WHOLE", "has_node_cost", "is_pointwise", "is_random",
+           "node_cost", "op_strategy", "replicated_spec", "tensor_args", "val_shape"]
 
 aten = torch.ops.aten
 
 
 def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: Sequence[int],
-                constraint_of: Callable[[fx.Node], Placements | None]) -> list[OpSpec]:
+                constraint_of: Callable[[fx.Node], Placements | None],
+                strided_in: Strided | None = None) -> list[OpSpec]:
     """All acceptable OpSpecs for ``node`` (empty list: no rule, caller falls back).
 
     ``current`` holds the placements its tensor inputs have now (DTensor's rules need them to
     enumerate). ``constraint_of`` returns the placements a sharding-constraint node pins.
+    ``strided_in``: the _StridedShard split factors in play (``rules.strided``; default: those
+    in ``current``, as if the program pinned them).
     """
     def kept(specs):
+        specs = with_strided(node, specs, strided_in, mesh_shape)
         return [s for s in specs if _partial_only_on_numbers(node, s) and
                 _one_placement_per_value(node, s) and _uneven_aligned(node, s, mesh_shape)]
 
-    specs = kept(_op_strategy(node, current, mesh, mesh_shape, constraint_of))
+    if strided_in is None:
+        found = strided_factors(current)
+        strided_in = Strided(found, found)
+    twin = [shard_twin(c) for c in current]  # rules see Shard; SS options are lifted back
+    specs = _op_strategy(node, twin, mesh, mesh_shape, constraint_of)
+    if twin != list(current) and node.target in RESHAPES:
+        # DTensor's view rules read _StridedShard themselves: a merge or split of the strided
+        # dim ([B*H] SS(0, B) <-> [B, H] Shard(1)) that no lift can give
+        specs = specs + dtensor_strategy(node, current, mesh, mesh_shape)
+    specs = kept(specs)
+    current = twin
     rep = tuple(replicate(len(mesh_shape)) for _ in current)
     if not specs and tuple(current) != rep:
         # DTensor's rules answer from the inputs' placements, and some have nothing usable for

@@ -1,8 +1,9 @@
 """Adapter: ask DTensor's strategy registry for the OpSpecs of one FX node.
 
 DTensor's rules enumerate; the choice among them stays ours (``propagate``). OpSpecs using
-placements we do not lower (``_StridedShard``, ``MaskPartial``...) are dropped here; which uneven
-splits an op may compute on is decided in ``rules.op_strategy``.
+placements we do not lower (``MaskPartial``...) are dropped here; ``_StridedShard`` is kept where
+``placements.valid_for`` holds it (``rules.strided`` says which rules are asked with it); which
+uneven splits an op may compute on is decided in ``rules.op_strategy``.
 """
 
 from __future__ import annotations
