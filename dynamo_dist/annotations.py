@@ -42,17 +42,21 @@ def mesh_key(mesh: DeviceMesh) -> str:
     return key
 
 
-_DATA_AXES: dict[str, tuple[str, ...]] = {}
+# per mesh OBJECT: DeviceMesh compares by value (ranks, axis names), so a new mesh equal to an
+# old one (a new process group, another model) must not inherit the old one's data axes
+_DATA_AXES: dict[int, tuple["weakref.ref[DeviceMesh]", tuple[str, ...]]] = {}
 
 
 def register_data_axes(mesh: DeviceMesh, axes) -> None:
     """Record which mesh axes of ``mesh`` carry data parallelism (see ShardingPlan.data_axes)."""
-    key = mesh_key(mesh)
-    _DATA_AXES[key] = tuple(dict.fromkeys(_DATA_AXES.get(key, ()) + tuple(axes)))
+    axes = tuple(dict.fromkeys(data_axes(mesh) + tuple(axes)))
+    _DATA_AXES[id(mesh)] = (weakref.ref(mesh, lambda _, k=id(mesh): _DATA_AXES.pop(k, None)), axes)
 
 
 def data_axes(mesh: DeviceMesh) -> tuple[str, ...]:
-    return _DATA_AXES.get(mesh_key(mesh), ())
+    """The data-parallel axes registered for this very mesh object (``()`` if none)."""
+    ref, axes = _DATA_AXES.get(id(mesh), (None, ()))
+    return axes if ref is not None and ref() is mesh else ()
 
 
 def mesh_from_key(key: str) -> DeviceMesh:

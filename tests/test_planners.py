@@ -111,10 +111,9 @@ def test_mixtral_experts_and_router():
     model = MODELS["mixtral"].build()
     d = _decisions(TensorParallelPlanner().build_plan(model))
     experts = "model.layers.0.mlp.experts."
-    # [E, 2I, H]: output features; gate|up is fused, but the grouped GEMMs do not carry a
-    # block-strided split: contiguous, and the reason says so
-    assert d[experts + "gate_up_proj"].placement == Shard(1)
-    assert "grouped GEMMs" in d[experts + "gate_up_proj"].reason
+    # [E, 2I, H]: output features, gate|up fused (chunked in 2): block-strided, which the
+    # grouped GEMMs carry (their column split lifted)
+    assert d[experts + "gate_up_proj"].placement == StridedShard(1, split_factor=2)
     assert d[experts + "down_proj"].placement == Shard(2)     # [E, H, I]: input features
     assert not d["model.layers.0.mlp.gate.weight"].sharded    # the router pairs with nothing
     assert "router" in d["model.layers.0.mlp.gate.weight"].reason
@@ -251,3 +250,16 @@ def test_relative_position_bias_table_splits_with_the_heads():
     assert not d["shared.weight"].sharded  # the word embedding is not a head table
     odd = _decisions(TensorParallelPlanner(mesh_axis_size=3).build_plan(MODELS["t5"].build()))
     assert not odd[table].sharded and "does not divide" in odd[table].reason
+
+
+def test_data_axes_belong_to_one_mesh_object_not_to_equal_meshes(fake_mesh):
+    """DeviceMesh compares by value: a later mesh with the same ranks and axis names (a new
+    process group, another model) must not inherit the data axes a planner gave an earlier one
+    (it changed how the later program was planned)."""
+    from dynamo_dist.annotations import data_axes, register_data_axes
+
+    first = fake_mesh((2,), ("dp",))
+    register_data_axes(first, ("dp",))
+    second = fake_mesh((2,), ("dp",))
+    assert second == first and second is not first
+    assert data_axes(first) == ("dp",) and data_axes(second) == ()

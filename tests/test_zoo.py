@@ -34,3 +34,25 @@ def test_zoo_cell_trains_like_one_process_with_the_textbook_collectives(zoo_cell
     assert not row["ledger_without_user_line"], row["ledger_without_user_line"]
     # every parameter a planner left replicated says why
     assert all(r["reason"] for r in row["params"]["replicated"])
+
+
+def test_gradient_check_takes_rounding_noise_and_catches_a_wrong_zero_gradient():
+    """A gradient that is zero in exact arithmetic (a convolution's bias before BatchNorm) is
+    rounding noise on both sides: matched when ours stays within the floor of the largest
+    gradient norm, flagged when ours is a real nonzero value."""
+    from dynamo_dist.testing.zoo.cell import GRAD_TOL, _grad_errors
+
+    ref = torch.nn.Module()
+    ref.w = torch.nn.Parameter(torch.ones(4))
+    ref.b = torch.nn.Parameter(torch.zeros(4))
+    ref.w.grad = torch.full((4,), 10.0)
+    ref.b.grad = torch.full((4,), 4e-7)  # noise: 1e-7 of the largest gradient
+    noise = {"w": ref.w.grad * (1 + 1e-6), "b": torch.full((4,), -6e-7)}
+    err, worst, zero = _grad_errors(noise, ref)
+    assert err <= GRAD_TOL and zero == ["b"]
+    wrong = {"w": ref.w.grad.clone(), "b": torch.full((4,), 0.05)}
+    err, worst, _ = _grad_errors(wrong, ref)
+    assert err > GRAD_TOL and worst == "b"
+    wrong = {"w": ref.w.grad * 1.01, "b": ref.b.grad.clone()}
+    err, worst, _ = _grad_errors(wrong, ref)
+    assert err > GRAD_TOL and worst == "w"

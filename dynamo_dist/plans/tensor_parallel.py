@@ -46,8 +46,7 @@ class TensorParallelPlanner(ShardingPlanner):
     projection whose output the program splits into k equal parts (GPT-2's ``c_attn`` q|k|v,
     gate|up) is split block-strided, ``_StridedShard(out_dim, split_factor=k)``: every rank
     holds its slice of each part, as in Megatron-LM (with ``mesh_axis_size`` n given, only where
-    k x n divides its width; otherwise, for unequal parts, and for 3-D expert tensors, whose
-    grouped GEMMs do not carry the strided layout, contiguously, which regathers).
+    k x n divides its width; otherwise, and for unequal parts, contiguously, which regathers).
     Projections that pair with nothing (the output head, a MoE router, a pooler) stay
     replicated, except the output head with ``shard_output_head`` (vocabulary-parallel logits).
     Given ``mesh_axis_size``, a column projection whose output is viewed as a number of heads
@@ -161,14 +160,6 @@ class TensorParallelPlanner(ShardingPlanner):
                 f"{self.mesh_axis_size} does not divide: a split would cut a head (attention " \
                 f"reads it whole beside the split query)"
         if proj.feeds:
-            if proj.parts and proj.weight.ndim > 2:
-                # measured on Mixtral tp=2: the grouped GEMM rules pass only Shard, so the
-                # strided layout was moved to a contraction split (2 all_to_all + 2 all_reduce
-                # more a step than the contiguous split's 2 + 2 gathers)
-                return Shard(proj.out_dim), "column", \
-                    f"fused expert projection ({proj.parts} parts): the grouped GEMMs keep " \
-                    f"only contiguous splits, so its output is regathered before the split " \
-                    f"(a block-strided split would be moved to a worse one)"
             if proj.parts and (self.mesh_axis_size is None or
                                proj.width % (proj.parts * self.mesh_axis_size) == 0):
                 return strided(proj.out_dim, proj.parts), "column", \

@@ -16,7 +16,8 @@ strided placement plans exactly as before and one with them grows the search onl
    dim, a cat or split along it, grouped-query heads (Hq vs Hkv) all pair dims of different
    sizes and are never lifted. Rules whose exactness on contiguous pieces rests on more than
    index-wise independence are not lifted (allow-lists ``_LIFTED_SOURCES``/``_LIFTED_DTENSOR``;
-   grouped GEMMs, indexing and attention are not on them).
+   indexing and attention are not on them; grouped GEMMs are, as their splits never touch a dim
+   ``offs`` cuts into groups).
 2. **block-aligned cuts** of the strided dim itself: ``split`` / ``split_with_sizes`` / ``slice``
    cutting SS(d,k) exactly at block boundaries give each piece of m blocks ``SS(d, m)``
    (``Shard(d)`` for one block: q, k, v each split over heads as usual); ``cat`` of pieces that
@@ -66,7 +67,9 @@ NONE = Strided()
 
 # native rules (by source prefix) and DTensor-registry ops (by overload packet) whose OpSpecs
 # hold for any consistent index subset of a split dim; see the module doc
-_LIFTED_SOURCES = ("pointwise", "reverse", "einsum:", "slice_scatter")
+# grouped GEMMs: their N, K, M and batch splits are index-wise like a matmul's; the dims offs
+# cuts into groups are never split by the rule, so never lifted either
+_LIFTED_SOURCES = ("pointwise", "reverse", "einsum:", "slice_scatter", "grouped_mm")
 _LIFTED_DTENSOR = {
     # renumbering / index-preserving views
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
