@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dynamo_dist import DistCompileError, compile_records
+from dynamo_dist._compat import StridedShard
 from dynamo_dist.conformance.simulate import run_spmd
 from dynamo_dist.plans import ShardingPlan, shard_module
 
@@ -104,6 +105,9 @@ EXPERTS = {  # how the fused expert weights [E, 2I, H] / [E, H, I] are split
     "megatron": {"*.experts.gate_up_proj": {"tp": Shard(1)}, "*.experts.down_proj": {"tp": Shard(2)}},
     "expert_parallel": {"*.experts.gate_up_proj": {"tp": Shard(0)},
                         "*.experts.down_proj": {"tp": Shard(0)}},
+    # gate|up block-strided: each rank holds its slice of gate AND of up (Megatron-LM's layout)
+    "megatron_strided": {"*.experts.gate_up_proj": {"tp": StridedShard(1, split_factor=2)},
+                         "*.experts.down_proj": {"tp": Shard(2)}},
 }
 
 
@@ -123,6 +127,7 @@ def _dynamo_name(fqn: str, kind: str) -> str:
 
 
 @pytest.mark.parametrize("experts,split", [("grouped_mm", "megatron"),
+                                           ("grouped_mm", "megatron_strided"),
                                            ("grouped_mm", "expert_parallel"),
                                            ("batched_mm", "megatron")])
 def test_mixtral_moe_matches_one_device(fake_mesh, experts, split):
@@ -161,6 +166,10 @@ def test_mixtral_moe_matches_one_device(fake_mesh, experts, split):
     kinds = {e.kind for e in record.ledger.entries}
     if split == "megatron":  # the fused [gate; up] output is gathered for its chunk()
         assert kinds <= {"all_reduce", "all_gather"}, record.ledger.entries
+    elif split == "megatron_strided":  # the grouped GEMMs carry the strided split: Megatron's
+        # one all_reduce per block and direction (attention's o_proj, the experts' down_proj)
+        assert kinds == {"all_reduce"}, record.ledger.entries
+        assert len(record.ledger.entries) == 4, record.ledger.entries
     else:  # the expert dim cannot feed a grouped GEMM: weights moved to the Megatron split
         assert "all_to_all" in kinds
 
