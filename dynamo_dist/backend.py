@@ -284,11 +284,31 @@ def _finish(gm, program: JointProgram, plan: Plan, mesh, primal_pl, joint,
     step = DistStep(program.inputs, joint, mesh, primal_pl, placements, shapes,
                     program.diff_outputs if has_bwd else [], program.mutated_inputs,
                     in_strides or (), strides)
-    _RECORDS.append(CompileRecord(plan, ledger, seconds, program, step))
+    record = CompileRecord(plan, ledger, seconds, program, step)
+    _RECORDS.append(record)
+    _warn_batch_gathers(record, data_axes(mesh))
     _dump(len(_RECORDS), mesh, program, plan, joint)
     log.info("dynamo_dist: compiled graph (%s); %d collectives", 
              ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items()), len(ledger.entries))
     return step
+
+
+def _warn_batch_gathers(record: CompileRecord, axes: Sequence[str]) -> None:
+    """Data parallelism gathers parameters and never the batch; a plan that gathers anything
+    else on a data axis runs every rank of that axis on the whole of it from there (correct,
+    but not data parallel): said once per compile, with the first few places and their bytes."""
+    for axis in axes:
+        found = record.activation_gathers(axis)
+        if not found:
+            continue
+        where = "; ".join(f"{e.cause} ({e.bytes} B per rank) at {e.source or '?'}"
+                          for e in found[:3])
+        log.warning("dynamo_dist: %d value(s) that are not parameters are all_gathered on the "
+                    "data axis '%s', so its ranks compute on whole values there: %s%s. The ops "
+                    "after it have no placement that keeps the batch split (an op that mixes "
+                    "samples: a sort or routing over all tokens, a batch-wide statistic); run "
+                    "that region on each rank's own samples (dynamo_dist.local_map) or accept "
+                    "the cost", len(found), axis, where, " ..." if len(found) > 3 else "")
 
 
 dist_backend._dynamo_dist_backend = True  # how _compat recognises Dynamo tracing for us

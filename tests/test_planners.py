@@ -263,3 +263,35 @@ def test_data_axes_belong_to_one_mesh_object_not_to_equal_meshes(fake_mesh):
     second = fake_mesh((2,), ("dp",))
     assert second == first and second is not first
     assert data_axes(first) == ("dp",) and data_axes(second) == ()
+
+
+class _Scorer(nn.Module):
+    def __init__(self, mix: bool) -> None:
+        super().__init__()
+        self.lin, self.mix = nn.Linear(4, 4), mix
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.mix:  # a sort over every sample's scores mixes the batch
+            h = torch.sort(h.flatten()).values.cumsum(0)
+        return h.square().mean()
+
+
+@pytest.mark.parametrize("mix", [False, True])
+def test_a_batch_gathered_on_a_data_axis_is_logged(fake_mesh, caplog, mix):
+    """Data parallelism never gathers the batch; when an op leaves no other placement the
+    compile says so (which op, bytes, the user's line), and a plain data-parallel model is
+    silent."""
+    import logging
+
+    mesh = fake_mesh((2,), ("dp",))
+    model = _Scorer(mix)
+    shard_module(model, mesh, DataParallelPlanner(mesh_axis_size=2).build_plan(model))
+    with caplog.at_level(logging.WARNING, logger="dynamo_dist"):
+        torch.compile(model, backend="dist", options={"inductor": False})(torch.randn(8, 4))
+    said = [r.getMessage() for r in caplog.records if "data axis 'dp'" in r.getMessage()]
+    if not mix:
+        assert not said, said
+    else:
+        assert len(said) == 1 and "all_gathered" in said[0] and "B per rank" in said[0], said
+        assert "test_planners.py" in said[0] and "local_map" in said[0], said
