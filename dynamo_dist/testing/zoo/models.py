@@ -96,6 +96,10 @@ def _convnet() -> nn.Module:
     return ConvNet()
 
 
+# transformers writes config.problem_type on the first forward with labels when it is unset, a
+# change Dynamo guards on: one recompile with any backend; set up front, as a user would
+_CLASSIFY = "single_label_classification"
+
 MODELS: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("llama", "decoder LM: RoPE, GQA, SwiGLU, RMSNorm (Llama, Mistral, Qwen family)",
              _hf("LlamaForCausalLM", "LlamaConfig", hidden_size=HIDDEN, intermediate_size=FFN,
@@ -142,10 +146,10 @@ MODELS: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("vit", "vision transformer: patch convolution, CLS token, classifier",
              _hf("ViTForImageClassification", "ViTConfig", hidden_size=HIDDEN,
                  num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN,
-                 image_size=IMAGE, patch_size=8), _image_batch),
+                 image_size=IMAGE, patch_size=8, problem_type=_CLASSIFY), _image_batch),
     ZooModel("resnet", "ConvNet: residual bottlenecks, BatchNorm, max-pool, adaptive avg-pool",
              _hf("ResNetForImageClassification", "ResNetConfig", embedding_size=16,
-                 hidden_sizes=[16, 32], depths=[1, 1]), _image_batch),
+                 hidden_sizes=[16, 32], depths=[1, 1], problem_type=_CLASSIFY), _image_batch),
     ZooModel("convnet", "ConvNet: Conv2d, BatchNorm2d, ReLU, max-pool, Linear",
              _convnet, lambda step: _image_batch(step, classes=10)),
 ]}

@@ -257,18 +257,29 @@ def _split(node, base, factors, mesh_shape) -> list[OpSpec]:
     return _from_replicated(node, base, mesh_shape, make)
 
 
+def _slice_bounds(node: fx.Node, shape, first: int):
+    """(dim, start, end) of a unit-step slice whose dim argument is at ``first`` (start, end
+    after it), clamped to the dim; None for a step or a symbolic bound."""
+    d = _dim(_arg(node, first, "dim", 0), len(shape))
+    start, end, step = (_arg(node, first + 1, "start", None), _arg(node, first + 2, "end", None),
+                        _arg(node, first + 3, "step", 1))
+    if step != 1 or not all(isinstance(v, (int, type(None))) for v in (start, end)):
+        return None
+    size = shape[d]
+    start = 0 if start is None else (start + size if start < 0 else min(start, size))
+    end = size if end is None or end >= _BIG else (end + size if end < 0 else min(end, size))
+    return d, start, end
+
+
 def _slice(node, base, factors, mesh_shape) -> list[OpSpec]:
     if not factors:
         return []
     shape = val_shape(node.args[0])
-    d = _dim(_arg(node, 1, "dim", 0), len(shape))
-    start, end, step = (_arg(node, 2, "start", None), _arg(node, 3, "end", None),
-                        _arg(node, 4, "step", 1))
-    if step != 1 or not all(isinstance(v, (int, type(None))) for v in (start, end)):
+    bounds = _slice_bounds(node, shape, 1)
+    if bounds is None:
         return []
+    d, start, end = bounds
     size = shape[d]
-    start = 0 if start is None else (start + size if start < 0 else min(start, size))
-    end = size if end is None or end >= _BIG else (end + size if end < 0 else min(end, size))
 
     def make(axis, n):
         out = []
@@ -310,14 +321,11 @@ def _slice_scatter(node, base, factors, mesh_shape) -> list[OpSpec]:
     if not factors or not all(isinstance(a, fx.Node) for a in node.args[:2]):
         return []
     shape = val_shape(node)
-    d = _dim(_arg(node, 2, "dim", 0), len(shape))
-    start, end, step = (_arg(node, 3, "start", None), _arg(node, 4, "end", None),
-                        _arg(node, 5, "step", 1))
-    if step != 1 or not all(isinstance(v, (int, type(None))) for v in (start, end)):
+    bounds = _slice_bounds(node, shape, 2)
+    if bounds is None:
         return []
+    d, start, end = bounds
     size = shape[d]
-    start = 0 if start is None else (start + size if start < 0 else min(start, size))
-    end = size if end is None or end >= _BIG else (end + size if end < 0 else min(end, size))
 
     def make(axis, n):
         out = []
