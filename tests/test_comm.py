@@ -40,7 +40,7 @@ def _calls(code: str, op: str) -> int:
 
 
 def test_fsdp_gathers_and_scatters_become_one_collective_each(fake_mesh, monkeypatch):
-    monkeypatch.delenv("DYNAMO_DIST_BUCKET_MB", raising=False)
+    monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", "25")  # opt-in (off by default: see comm.py)
     ledger, fw, bw = _compile_fsdp_step(fake_mesh)
     # 6 parameters: gathered for the forward, gathered again in the backward, 6 gradients
     assert ledger.count("all_gather", phase="forward") == 6
@@ -79,3 +79,12 @@ def test_bad_bucket_size_names_the_variable(monkeypatch):
     monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", "lots")
     with pytest.raises(ValueError, match="DYNAMO_DIST_BUCKET_MB='lots'.*fix"):
         comm.bucket_cap_mb()
+
+
+def test_bucketing_is_off_unless_asked_for(fake_mesh, monkeypatch):
+    """Off by default (Inductor's pass trained zoo models to wrong numbers on gloo)."""
+    monkeypatch.delenv("DYNAMO_DIST_BUCKET_MB", raising=False)
+    assert comm.bucket_cap_mb() == 0 and comm.inductor_config() == {}
+    ledger, fw, bw = _compile_fsdp_step(fake_mesh)
+    assert not any(ledger.buckets.values())
+    assert _issued(fw, "all_gather") == ledger.count("all_gather", phase="forward") == 6

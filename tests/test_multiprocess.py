@@ -23,11 +23,13 @@ def test_two_rank_tp_parity(model, inductor, extra):
     assert m and float(m.group(1)) <= 1e-4, out
 
 
-def test_two_rank_fsdp_bucketed_collectives():
-    """Parameters sharded over dp (ZeRO-3), compiled with Inductor: the comm pass merges the
-    forward's parameter all_gathers and the backward's gradient reduce_scatters into buckets.
-    Values still match one process, and the collectives counted at run time are exactly the
-    ledger's issued count (fewer than its entries)."""
+def test_two_rank_fsdp_bucketed_collectives(monkeypatch):
+    """Parameters sharded over dp (ZeRO-3), compiled with Inductor, bucketing asked for (it is
+    off by default): the comm pass merges the forward's parameter all_gathers and the
+    backward's gradient reduce_scatters into buckets. Values still match one process, and the
+    collectives counted at run time are exactly the ledger's issued count (fewer than its
+    entries)."""
+    monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", "25")
     out = torchrun("train_parity.py", 2, "--model", "mlp", "--mesh", "dp=2", "--inductor", "1",
                    "--check-issued").stdout
     m = re.search(r"ISSUED (\d+) collectives for (\d+) ledger entries", out)
