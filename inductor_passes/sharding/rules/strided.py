@@ -271,6 +271,13 @@ def _slice_bounds(node: fx.Node, shape, first: int):
     return d, start, end
 
 
+def _whole_blocks(factors, start: int, end: int, size: int) -> list[tuple[int, int]]:
+    """(k, blocks in [start, end)) for each split factor k whose block boundaries the cut
+    [start, end) of a dim of ``size`` falls on."""
+    return [(k, (end - start) // (size // k)) for k in sorted(factors)
+            if end > start and _blocks(sorted({0, start, end, size}), size, k) is not None]
+
+
 def _slice(node, base, factors, mesh_shape) -> list[OpSpec]:
     if not factors:
         return []
@@ -282,13 +289,8 @@ def _slice(node, base, factors, mesh_shape) -> list[OpSpec]:
     size = shape[d]
 
     def make(axis, n):
-        out = []
-        for k in sorted(factors):
-            m = _blocks(sorted({0, start, end, size}), size, k)
-            if m is not None and end > start:
-                blocks = (end - start) // (size // k)
-                out.append(((strided(d, k),), [strided(d, blocks)], "strided:slice"))
-        return out
+        return [((strided(d, k),), [strided(d, blocks)], "strided:slice")
+                for k, blocks in _whole_blocks(factors, start, end, size)]
 
     return _from_replicated(node, base, mesh_shape, make)
 
@@ -328,14 +330,8 @@ def _slice_scatter(node, base, factors, mesh_shape) -> list[OpSpec]:
     size = shape[d]
 
     def make(axis, n):
-        out = []
-        for k in sorted(factors):
-            m = _blocks(sorted({0, start, end, size}), size, k)
-            if m is not None and end > start:
-                blocks = (end - start) // (size // k)
-                out.append(((strided(d, k), strided(d, blocks)), [strided(d, k)],
-                            "strided:slice_scatter"))
-        return out
+        return [((strided(d, k), strided(d, blocks)), [strided(d, k)], "strided:slice_scatter")
+                for k, blocks in _whole_blocks(factors, start, end, size)]
 
     return _from_replicated(node, base, mesh_shape, make)
 
