@@ -278,21 +278,24 @@ def _whole_blocks(factors, start: int, end: int, size: int) -> list[tuple[int, i
             if end > start and _blocks(sorted({0, start, end, size}), size, k) is not None]
 
 
-def _slice(node, base, factors, mesh_shape) -> list[OpSpec]:
-    if not factors:
-        return []
-    shape = val_shape(node.args[0])
-    bounds = _slice_bounds(node, shape, 1)
+def _block_cuts(node, base, factors, mesh_shape, shape, first: int, spec_of) -> list[OpSpec]:
+    """OpSpecs for a unit-step cut [start, end) of ``shape``'s dim (its dim argument at
+    ``first``) that keeps whole blocks: ``spec_of(dim, k, blocks)`` per split factor k."""
+    bounds = _slice_bounds(node, shape, first) if factors else None
     if bounds is None:
         return []
     d, start, end = bounds
-    size = shape[d]
 
     def make(axis, n):
-        return [((strided(d, k),), [strided(d, blocks)], "strided:slice")
-                for k, blocks in _whole_blocks(factors, start, end, size)]
+        return [spec_of(d, k, blocks) for k, blocks in _whole_blocks(factors, start, end, shape[d])]
 
     return _from_replicated(node, base, mesh_shape, make)
+
+
+def _slice(node, base, factors, mesh_shape) -> list[OpSpec]:
+    return _block_cuts(node, base, factors, mesh_shape, val_shape(node.args[0]), 1,
+                       lambda d, k, blocks: ((strided(d, k),), [strided(d, blocks)],
+                                             "strided:slice"))
 
 
 def _cat(node, base, factors, mesh_shape) -> list[OpSpec]:
@@ -320,20 +323,11 @@ def _cat(node, base, factors, mesh_shape) -> list[OpSpec]:
 
 
 def _slice_scatter(node, base, factors, mesh_shape) -> list[OpSpec]:
-    if not factors or not all(isinstance(a, fx.Node) for a in node.args[:2]):
+    if not all(isinstance(a, fx.Node) for a in node.args[:2]):
         return []
-    shape = val_shape(node)
-    bounds = _slice_bounds(node, shape, 2)
-    if bounds is None:
-        return []
-    d, start, end = bounds
-    size = shape[d]
-
-    def make(axis, n):
-        return [((strided(d, k), strided(d, blocks)), [strided(d, k)], "strided:slice_scatter")
-                for k, blocks in _whole_blocks(factors, start, end, size)]
-
-    return _from_replicated(node, base, mesh_shape, make)
+    return _block_cuts(node, base, factors, mesh_shape, val_shape(node), 2,
+                       lambda d, k, blocks: ((strided(d, k), strided(d, blocks)),
+                                             [strided(d, k)], "strided:slice_scatter"))
 
 
 RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
