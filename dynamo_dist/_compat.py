@@ -10,6 +10,7 @@ Checked on: torch 2.13.0 (CPU build); import also checked on 2.11.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable
 
 import torch
@@ -791,6 +792,40 @@ def reported_output_strides():
 # Inductor keeps the traced strides only for outputs listed under this key of the output node's
 # meta ("user-visible"; compile_fx_forward/backward set it, compile_fx_inner does not). (2.13)
 USER_VISIBLE_OUTPUTS_META = "user_visible_output_idxs"
+
+
+# Inductor's C++ backend aligns two nodes' loop ranges before fusing them by recomputing a node's
+# loop body (``SchedulerNode.recompute_size_and_body``). That re-reads the node's dependencies
+# from the body, which names a buffer an extern kernel mutated in place (the ``bernoulli_`` of a
+# dropout mask, a max-pool backward's scatter) by its pre-mutation name, and re-applies the
+# node's ``mutation_renames`` only when the node also has fake deps. The reader then no longer
+# depends on the mutation and can be fused ahead of it: it reads the buffer before the kernel
+# fills it (uninitialised memory: NaN losses in T5 on a dp x tp mesh). Fixed upstream by
+# pytorch/pytorch#185873 (issue #185509); torch 2.13 still has it. Installed process-wide, as
+# upstream's fix is: Inductor compiles a backward lazily, outside any scope of ours.
+def install_inductor_mutation_order_fix() -> bool:
+    """Make ``recompute_size_and_body`` re-apply mutation renames (see above). Idempotent;
+    returns False where this torch has no such method. (2.11, 2.13)"""
+    from torch._inductor.scheduler import SchedulerNode
+
+    original = getattr(SchedulerNode, "recompute_size_and_body", None)
+    if original is None:
+        return False
+    if getattr(original, "_dynamo_dist_patch", False):
+        return True
+
+    @functools.wraps(original)
+    def recompute_size_and_body(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.mutation_renames:  # idempotent: a name already renamed is not a key
+            self.set_read_writes(self.read_writes.rename(self.mutation_renames))
+
+    recompute_size_and_body._dynamo_dist_patch = True
+    SchedulerNode.recompute_size_and_body = recompute_size_and_body
+    return True
+
+
+install_inductor_mutation_order_fix()
 
 
 def inductor_config_patch(entries: dict) -> contextlib.AbstractContextManager:

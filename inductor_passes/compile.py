@@ -13,6 +13,11 @@ from dynamo_dist import _compat
 
 from . import comm
 
+# Part of Inductor's FX-graph cache key for our compiles: an artifact compiled before
+# ``_compat.install_inductor_mutation_order_fix`` (a read scheduled ahead of an in-place draw)
+# must not be served again. Bump it when a torch patch of ours changes generated code.
+_CACHE_KEY_TAG = "dynamo_dist:mutation-order-1"
+
 
 @dataclasses.dataclass
 class CompiledJoint:
@@ -57,6 +62,7 @@ def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int
     fake_mode = _compat.detect_fake_mode(inputs)
     with _compat.tracing(_compat.TracingContext(fake_mode)), \
             _compat.inductor_config_patch(comm.inductor_config()), \
+            _cache_key_tagged(), \
             _compat.reported_output_strides() as strides:
         compiled = _compat.compile_fx_inner(gm, inputs, is_backward=is_backward)
         strides = list(strides)
@@ -65,6 +71,14 @@ def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int
         return compiled(list(args))
 
     return run, strides
+
+
+def _cache_key_tagged():
+    import torch.compiler
+
+    user = torch.compiler.config.cache_key_tag
+    return torch.compiler.config.patch(cache_key_tag=f"{user}|{_CACHE_KEY_TAG}" if user
+                                       else _CACHE_KEY_TAG)
 
 
 def _restrided(inputs: list, strides: list | None) -> list:

@@ -84,3 +84,38 @@ def test_inductor_bucketing_and_partitioner_hooks():
 
     params = inspect.signature(_compat.min_cut_rematerialization_partition).parameters
     assert "num_fwd_outputs" in params and params["num_fwd_outputs"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def _norm_then_dropout_mask(x, w):
+    """An RMSNorm, then a dropout mask drawn into a fresh buffer and sliced, as our lowering
+    writes a replicated random draw that a batch-sharded value consumes."""
+    aten = torch.ops.aten
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    mask = aten.bernoulli.p(aten.empty.memory_format([4, 16, 64], dtype=torch.float32), 0.9)
+    keep = aten.slice.Tensor(mask, 0, 0, 2) / 0.9
+    return keep, y * keep
+
+
+def test_inductor_reads_an_in_place_draw_after_it_is_made():
+    """Inductor's C++ fusion recomputes a node's loop body and, on torch 2.13, forgets that the
+    node reads the buffer ``bernoulli_`` fills in place: the fused kernel read it first and the
+    mask came out NaN (T5 trained to NaN on a dp x tp mesh). ``_compat`` re-applies the renames
+    (pytorch/pytorch#185873); without it this test reads NaN (checked on 2.13.0)."""
+    from torch._inductor.scheduler import SchedulerNode
+
+    from inductor_passes.compile import compile_joint
+
+    assert _compat.install_inductor_mutation_order_fix()
+    assert getattr(SchedulerNode.recompute_size_and_body, "_dynamo_dist_patch", False)
+    x, w = torch.randn(2, 16, 64), torch.randn(64)
+    gm = _compat.make_fx(_norm_then_dropout_mask, tracing_mode="fake")(x, w)
+    with torch._inductor.config.patch(force_disable_caches=True):  # compile, don't look it up
+        compiled = compile_joint(gm, num_fwd_outputs=2, has_backward=False, inductor=True)
+    torch.manual_seed(0)
+    keep, out = compiled.forward([x, w])
+    torch.manual_seed(0)
+    want_keep, want_out = _norm_then_dropout_mask(x, w)
+    assert not keep.isnan().any() and len(keep.unique()) == 2, keep.unique()  # 0 and 1/0.9
+    assert not out.isnan().any()
+    torch.testing.assert_close(keep, want_keep)  # on CPU Inductor draws with eager's kernel
+    torch.testing.assert_close(out, want_out)
