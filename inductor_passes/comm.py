@@ -13,11 +13,14 @@ SimpleFSDP / torchtitan use), switched on through Inductor's config; we own the 
     ``DYNAMO_DIST_BUCKET_MB=25`` (DDP's bucket size) turns it on. A cap bounds the memory a
     bucket of gathered parameters holds at once.
 
-OFF by default: with torch 2.13's pass on, the model zoo on 2-4 real gloo ranks under Inductor
-trained four cells to wrong numbers with no error (T5 dp=2 and dp=2 x tp=2: NaN loss, from the
-all_gather buckets; Mixtral dp=2 x tp=2: gradients off by 120%, all_gather buckets; the ConvNet
-dp=2: a BatchNorm bias gradient off by 100%, all_reduce / reduce_scatter buckets), while every
-cell trains at parity with it off. Until the cause is found, bucketing is an opt-in that warns.
+OFF by default. With torch 2.13's pass on, the model zoo on 2-4 real gloo ranks under Inductor
+first trained four cells to wrong numbers with no error (T5 dp=2 and dp=2 x tp=2: NaN loss;
+Mixtral dp=2 x tp=2: gradients off by 120%; the ConvNet dp=2: a BatchNorm bias gradient 2x).
+Two Inductor defects, both worked around now: C++ fusion scheduling a read of an in-place
+filled buffer before the fill (``_compat.install_inductor_mutation_order_fix``, on for every
+compile: T5, Mixtral), and an all_reduce bucket overwriting an input that is read again later
+(``copy_shared_all_reduce_inputs`` below: the ConvNet). Those cells train at parity with
+bucketing on; it stays an opt-in that warns until the whole zoo has been run with it.
 Only collectives with no path between them are merged (the pass checks), and only runs of one
 kind, group and dtype in graph order, so every rank merges the same ones.
 """
@@ -58,10 +61,10 @@ def bucket_cap_mb() -> float:
 
 @functools.lru_cache(maxsize=None)
 def _warn_bucketing_once(mb: float) -> None:
-    log.warning("dynamo_dist: collective bucketing on (DYNAMO_DIST_BUCKET_MB=%g): Inductor's "
-                "bucketing pass has trained some models to wrong numbers (T5, Mixtral, a "
-                "BatchNorm ConvNet under data parallelism; see inductor_passes/comm.py); check "
-                "your model against one process, or unset DYNAMO_DIST_BUCKET_MB", mb)
+    log.warning("dynamo_dist: collective bucketing on (DYNAMO_DIST_BUCKET_MB=%g), an opt-in: "
+                "Inductor's bucketing pass has trained models to wrong numbers before (the two "
+                "causes found are worked around; see inductor_passes/comm.py); check your model "
+                "against one process, or unset DYNAMO_DIST_BUCKET_MB", mb)
 
 
 def _cap(mb: float, bucket_index: int) -> float:
@@ -117,3 +120,33 @@ def collective_kind(node: fx.Node) -> str | None:
     """The ledger's kind of a functional collective node, else None."""
     op = collective_op(node)
     return KINDS[op] if op else None
+
+
+def copy_shared_all_reduce_inputs(gm: fx.GraphModule) -> int:
+    """With bucketing on, give every all_reduce whose input is also read elsewhere a private
+    copy of it (``x * 1``); returns how many. Why: Inductor lowers an all_reduce bucket as
+    ``cat`` then an in-place ``all_reduce_`` on the cat's buffer, and its cat lowering computes
+    each input directly into its slot of that buffer. An input read elsewhere then aliases the
+    bucket, and a reader scheduled after the collective sees the reduced sum (a SyncBN bias
+    gradient reduce-scattered after its statistic was all-reduced came out 2x). The copy is the
+    one living in the bucket; the original keeps its own buffer. ``clone`` would not do: Inductor
+    removes it as a no-op before bucketing."""
+    import torch
+
+    if _cap_fn() is None:
+        return 0
+    count = 0
+    for node in list(gm.graph.nodes):
+        if collective_op(node) != "all_reduce" or not isinstance(node.args[0], fx.Node):
+            continue
+        src = node.args[0]
+        if len(src.users) < 2:
+            continue
+        with gm.graph.inserting_before(node):
+            copy = gm.graph.call_function(torch.ops.aten.mul.Tensor, (src, 1))
+        copy.meta = dict(src.meta)
+        node.replace_input_with(src, copy)
+        count += 1
+    if count:
+        gm.recompile()
+    return count

@@ -56,6 +56,7 @@ def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int
         gm.recompile()
         return (lambda args: gm(*args)), None
     inputs = inputs if inputs is not None else _example_inputs(gm)
+    comm.copy_shared_all_reduce_inputs(gm)
     out = next(iter(gm.graph.find_nodes(op="output")))
     out.meta[_compat.USER_VISIBLE_OUTPUTS_META] = [
         i for i, a in enumerate(out.args[0][:visible]) if isinstance(a, fx.Node)]

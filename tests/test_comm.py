@@ -88,3 +88,32 @@ def test_bucketing_is_off_unless_asked_for(fake_mesh, monkeypatch):
     ledger, fw, bw = _compile_fsdp_step(fake_mesh)
     assert not any(ledger.buckets.values())
     assert _issued(fw, "all_gather") == ledger.count("all_gather", phase="forward") == 6
+
+
+def test_a_shared_all_reduce_input_gets_its_own_copy_when_bucketing(monkeypatch):
+    """Inductor computes each input of an all_reduce bucket into the bucket, which all_reduce_
+    then overwrites in place: an input also read elsewhere must be a copy (see comm.py)."""
+    import torch.fx as fx
+
+    from inductor_passes import comm
+
+    funcol = torch.ops._c10d_functional
+
+    def f(x, y):
+        s = x.sum(0)
+        reduced = funcol.wait_tensor(funcol.all_reduce(s, "sum", "0"))
+        alone = funcol.wait_tensor(funcol.all_reduce(y * 2, "sum", "0"))
+        return reduced + s, alone
+
+    def collective_inputs(gm):
+        return [n.args[0] for n in gm.graph.nodes if comm.collective_op(n) == "all_reduce"]
+
+    gm = fx.symbolic_trace(f)
+    monkeypatch.delenv("DYNAMO_DIST_BUCKET_MB", raising=False)
+    assert comm.copy_shared_all_reduce_inputs(gm) == 0  # bucketing off: nothing to guard
+    monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", "25")
+    assert comm.copy_shared_all_reduce_inputs(gm) == 1
+    shared, alone = collective_inputs(gm)
+    assert shared.target is torch.ops.aten.mul.Tensor and shared.args[1] == 1
+    assert shared.args[0].name == "sum_1" and len(shared.args[0].users) == 2  # still read by add
+    assert alone.target is not torch.ops.aten.mul.Tensor  # read once: no copy

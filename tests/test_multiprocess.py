@@ -48,6 +48,22 @@ def test_two_rank_convnet_parity_under_inductor():
     assert m and float(m.group(1)) <= 1e-5, out
 
 
+def test_two_rank_bucketed_syncbn_gradients(monkeypatch, tmp_path):
+    """The zoo's ConvNet (two Conv + BatchNorm blocks) on dp=2 under Inductor with bucketing
+    asked for: a BatchNorm's sum of output gradients is all-reduced (SyncBN backward) and also
+    reduce-scattered as its bias gradient. Inductor computed it into the all_reduce bucket, which
+    the in-place all_reduce_ then overwrote, so the bias gradient came out 2x (AdamW hides it in
+    the loss). First-step gradients must match one process."""
+    import json
+
+    monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", "25")
+    out = tmp_path / "cell.json"
+    torchrun("zoo_cell.py", 2, "convnet", "dp=2", str(out), "--steps", "1")
+    row = json.loads(out.read_text())
+    assert row["status"] == "parity", (row.get("grad_worst"), row.get("grad_rel"), row.get("error"))
+    assert row["grad_rel"] <= 1e-4
+
+
 def test_every_redistribute_on_a_2x2_mesh():
     """858 pairs of Shard / Replicate / Partial (even and uneven), 262 with a _StridedShard."""
     out = torchrun("redistribute_all.py", 4).stdout
