@@ -817,8 +817,9 @@ def install_inductor_mutation_order_fix() -> bool:
     @functools.wraps(original)
     def recompute_size_and_body(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        if self.mutation_renames:  # idempotent: a name already renamed is not a key
-            self.set_read_writes(self.read_writes.rename(self.mutation_renames))
+        renames = getattr(self, "mutation_renames", None)
+        if renames:  # idempotent: a name already renamed is not a key
+            self.set_read_writes(self.read_writes.rename(renames))
 
     recompute_size_and_body._dynamo_dist_patch = True
     SchedulerNode.recompute_size_and_body = recompute_size_and_body
