@@ -97,13 +97,17 @@ def with_sharding_constraint(t: torch.Tensor, mesh: DeviceMesh,
                              placements: Sequence[Placement]) -> torch.Tensor:
     """Pin ``t`` (global shape) to ``placements`` (one per mesh axis) at this point of the program.
 
-    Raises ValueError when the placements cannot apply to ``t`` (see ``validate_placements``).
+    Raises ValueError when the placements cannot apply to ``t`` (see ``validate_placements``),
+    DistCompileError when they split one tensor dim by two mesh axes (not planned inside a
+    program yet; ``refuse_nested_splits``).
     """
-    from .plans.spec import refuse_strided_nesting, validate_placements
+    from .plans.spec import refuse_nested_splits, refuse_strided_nesting, validate_placements
 
     placements = normalize(tuple(placements), t.ndim)
     validate_placements("with_sharding_constraint", tuple(t.shape), mesh, placements)
     refuse_strided_nesting("with_sharding_constraint", tuple(t.shape), mesh, placements)
+    if not torch.compiler.is_compiling():  # traced: the backend refuses it, naming the line
+        refuse_nested_splits("with_sharding_constraint", tuple(t.shape), mesh, placements)
     return sharding_constraint(t, encode_spec(mesh, placements))
 
 

@@ -146,9 +146,17 @@ def _dump(index: int, mesh, program: JointProgram, plan: Plan, joint) -> None:
 
 
 def _constraints(gm: fx.GraphModule):
+    """Sharding-constraint node -> (mesh key, placements). Raises DistCompileError, naming the
+    user's line, for a constraint that splits one tensor dim by two mesh axes."""
+    from .plans.spec import refuse_nested_splits
+
     found = {}
     for node in gm.graph.find_nodes(op="call_function", target=CONSTRAINT_OP):
-        found[node] = decode_spec(node.args[1])
+        key, pls = found[node] = decode_spec(node.args[1])
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if val is not None:
+            refuse_nested_splits("with_sharding_constraint", tuple(val.shape),
+                                 mesh_from_key(key), pls, user_source(node))
     return found
 
 

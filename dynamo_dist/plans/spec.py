@@ -97,6 +97,15 @@ def validate_placements(what: str, shape: Sequence[int], mesh: DeviceMesh,
                  "use Shard(d), _StridedShard(d, split_factor=k), Replicate() or Partial()")
 
 
+def _split_axes_by_dim(shape: Sequence[int], placements: Sequence[Placement]) -> dict[int, list[int]]:
+    """Tensor dim -> the mesh axes that split it (Shard or _StridedShard), in mesh-axis order."""
+    by_dim: dict[int, list[int]] = {}
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard) or is_strided(p):
+            by_dim.setdefault(p.dim % max(len(shape), 1), []).append(axis)
+    return by_dim
+
+
 def refuse_strided_nesting(what: str, shape: Sequence[int], mesh: DeviceMesh,
                            placements: Sequence[Placement], source: str | None = None) -> None:
     """Raise DistCompileError when a tensor dim is split by two mesh axes and one of them is a
@@ -104,11 +113,7 @@ def refuse_strided_nesting(what: str, shape: Sequence[int], mesh: DeviceMesh,
     program must be one the compiler lowers exactly, and nested strided splits are not (a
     parameter in that layout is fine: DTensor regathers it at the program boundary)."""
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
-    by_dim: dict[int, list[int]] = {}
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard) or is_strided(p):
-            by_dim.setdefault(p.dim % max(len(shape), 1), []).append(axis)
-    for dim, axes in by_dim.items():
+    for dim, axes in _split_axes_by_dim(shape, placements).items():
         if len(axes) > 1 and any(is_strided(placements[a]) for a in axes):
             raise DistCompileError(
                 f"{what}: tensor dim {dim} is split by mesh axes "
@@ -117,6 +122,28 @@ def refuse_strided_nesting(what: str, shape: Sequence[int], mesh: DeviceMesh,
                 shapes=[shape], mesh=describe_mesh(mesh), placements=list(placements),
                 fix="split that dim on one mesh axis only (another dim on the other), or pin "
                     "Replicate on one of them")
+
+
+def refuse_nested_splits(what: str, shape: Sequence[int], mesh: DeviceMesh,
+                         placements: Sequence[Placement], source: str | None = None) -> None:
+    """Raise DistCompileError when a tensor dim is split by two or more mesh axes
+    (``[Shard(0), Shard(0)]``, the partition spec ``(("dp", "tp"), None)``) for a value pinned
+    INSIDE a compiled program. The planner's rules and lowering hold one split per dim; such a
+    pin was planned as if each axis split the whole dim and computed wrong numbers (softmax,
+    cat, a matmul over [S(1), S(1)]). An input in that layout is fine: it is gathered on the
+    extra axes at the program boundary, with the cost logged."""
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    for dim, axes in _split_axes_by_dim(shape, placements).items():
+        if len(axes) > 1:
+            raise DistCompileError(
+                f"{what}: tensor dim {dim} is split by mesh axes "
+                f"{', '.join(repr(names[a]) for a in axes)} (nested sharding), which is not "
+                f"planned inside a compiled program yet", source=source, shapes=[shape],
+                mesh=describe_mesh(mesh), placements=list(placements),
+                fix=f"split dim {dim} on one mesh axis only (another dim, or Replicate, on the "
+                    f"other); or reshape it into two dims and shard each on one axis; or "
+                    f"annotate the input before the compiled call (mark_sharding on the tensor), "
+                    f"where it is gathered on the extra axes at the boundary")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
