@@ -25,7 +25,7 @@ from inductor_passes.lowering import lower
 from inductor_passes.sharding.placements import Placements, fmt, nbytes
 from inductor_passes.sharding.propagate import Plan, propagate
 
-from . import _compat, compiled_autograd, plan_cache
+from . import _compat, agreement, compiled_autograd, plan_cache
 from .agreement import plan_once
 from .annotations import CONSTRAINT_OP, data_axes, decode_spec, mesh_from_key
 from .capture import JointProgram, planned_input_placements, trace_joint
@@ -96,14 +96,19 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
     opts = dict(options or {})
     inductor = bool(opts.pop("inductor", True))
     simulate = bool(opts.pop("simulate", False))
-    # compiled-autograd backward graphs (and forwards carrying module backward hooks) are local
-    # code already: compiled as they are, user collectives kept
-    compiled = compiled_autograd.compile_local(gm, example_inputs, inductor)
-    if compiled is None:
-        with _compat.disable_local_tensor_mode(), compiled_autograd.disabled():
-            compiled = _compile(gm, list(example_inputs), inductor, simulate)
-    if not isinstance(compiled, DistStep):  # planned programs were compared before Inductor
-        check_same_schedule([gm], f"graph of {_code_name(gm)}")
+    agreement.begin_graph()
+    try:
+        # compiled-autograd backward graphs (and forwards carrying module backward hooks) are
+        # local code already: compiled as they are, user collectives kept
+        compiled = compiled_autograd.compile_local(gm, example_inputs, inductor)
+        if compiled is None:
+            with _compat.disable_local_tensor_mode(), compiled_autograd.disabled():
+                compiled = _compile(gm, list(example_inputs), inductor, simulate)
+        if not isinstance(compiled, DistStep):  # planned programs were compared before Inductor
+            check_same_schedule([gm], f"graph of {_code_name(gm)}")
+    except BaseException as exc:  # peers waiting on this rank learn of it at once
+        agreement.publish_failure(exc)
+        raise
     return compiled
 
 

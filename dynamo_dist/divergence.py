@@ -6,27 +6,25 @@ issues the same collectives, in the same order, on the same groups. After each `
 compilation, every rank publishes its graph's collective schedule in the process group's store
 and reads every other rank's. Any difference, or a rank that does not compile the same graph
 within ``DYNAMO_DIST_SCHEDULE_TIMEOUT`` seconds (default 120), fails compilation on every rank
-with the first difference named, instead of a hang at the first mismatched collective.
+with the first difference named, instead of a hang at the first mismatched collective. The
+wait goes through ``agreement.wait_for``: a rank whose compilation failed is named at once.
 (XLA's SPMD partitioner has no such check: it cannot diverge, since it compiles one program for
 all ranks; PyTorch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks collectives at run time.)
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
-import os
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from . import _compat
+from . import _compat, agreement
 from .errors import DistCompileError, user_source
 
-_COUNT = {"graphs": 0}
 
 
 def collective_schedule(graphs: Iterable[fx.GraphModule]) -> list[dict]:
@@ -74,29 +72,31 @@ def _key(entry: dict) -> str:
 
 def check_same_schedule(graphs: Iterable[fx.GraphModule], what: str) -> None:
     """Compare this graph's collective schedule with every other rank's (see module doc).
-
     No-op without an initialised process group of more than one rank, and on the ``fake``
     backend (no peers to talk to). Raises DistCompileError on every rank when the schedules
-    differ or a rank does not report in time."""
-    _COUNT["graphs"] += 1
-    if not dist.is_initialized() or dist.get_world_size() == 1 or \
-            dist.get_backend() == "fake":
+    differ or a rank does not report in time, PeerFailed when another rank's compilation of
+    this graph failed (``agreement.wait_for``)."""
+    if not agreement.has_peers():
         return
     schedule = collective_schedule(graphs)
     rank, world = dist.get_rank(), dist.get_world_size()
     digest = hashlib.sha256("\n".join(map(_key, schedule)).encode()).hexdigest()[:16]
     store = _compat.default_store()
-    prefix = f"dynamo_dist/schedule/{_COUNT['graphs']}"
+    graph = agreement.current_graph()
+    prefix = f"dynamo_dist/schedule/{graph}"
     store.set(f"{prefix}/{rank}", json.dumps({"digest": digest, "schedule": schedule,
                                               "what": what}))
-    timeout = float(os.environ.get("DYNAMO_DIST_SCHEDULE_TIMEOUT", "120"))
+    timeout = agreement._timeout("DYNAMO_DIST_SCHEDULE_TIMEOUT", 120.0)
     keys = [f"{prefix}/{r}" for r in range(world)]
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception as exc:  # a rank never compiled this graph (it broke or recompiled elsewhere)
+        agreement.wait_for(keys, list(range(world)), f"the schedule check ({what})", timeout,
+                           fix="")
+    except agreement.PeerFailed:
+        raise
+    except DistCompileError as exc:  # a rank never compiled this graph (it broke elsewhere)
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         raise DistCompileError(
-            f"rank divergence: ranks {missing} did not compile graph #{_COUNT['graphs']} "
+            f"rank divergence: ranks {missing} did not compile graph #{graph} "
             f"({what}) within {timeout:.0f} s; ranks that compile different graphs would hang "
             f"at their first collective", source=schedule[0]["at"] if schedule else None,
             fix="make the compiled code the same on every rank: no Python branches on "
@@ -120,7 +120,8 @@ def _describe(reports: dict[int, dict], me: int) -> str:
         if len(set(here.values())) > 1:
             break
     lines = [f"rank divergence: ranks would run different collective schedules for graph "
-             f"#{_COUNT['graphs']} ({reports[me]['what']}); first difference at collective #{i}:"]
+             f"#{agreement.current_graph()} ({reports[me]['what']}); first difference at "
+             f"collective #{i}:"]
     for r, s in sorted(scheds.items()):
         entry = s[i] if i < len(s) else None
         desc = "no collective" if entry is None else \

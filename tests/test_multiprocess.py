@@ -94,6 +94,18 @@ def test_rank_divergent_collectives_fail_fast_on_every_rank():
     assert out.count("DIVERGENCE CAUGHT rank") == 2 and "MISSING RANK CAUGHT" in out, out
 
 
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_a_rank_failing_at_any_compile_stage_stops_every_rank(nproc):
+    """One rank raises in capture, in planning (on the planning rank) or in lowering while its
+    process lives on: every other rank raises within seconds naming it and its error (before,
+    the others blocked in the plan broadcast for as long as it lived)."""
+    out = torchrun("rank_faults.py", nproc, timeout=240).stdout
+    faults = re.findall(r"FAULT (\w+) rank (\d+) ([0-9.]+)", out)
+    assert sorted((stage, int(r)) for stage, r, _ in faults) == sorted(
+        (stage, r) for stage in ("capture", "planning", "lowering") for r in range(nproc)), out
+    assert max(float(s) for _, _, s in faults) <= 10, out
+
+
 def test_two_rank_mixtral_moe_parity():
     """Mixtral-like MoE (transformers' default grouped_mm experts path: sort, index, histc,
     cumsum, its grouped GEMM op), tp=2 with a hand plan, Inductor, 3 AdamW steps: loss,
