@@ -22,6 +22,7 @@ import torch.fx as fx
 from inductor_passes import layout
 from inductor_passes.compile import compile_joint
 from inductor_passes.lowering import lower
+from inductor_passes.redistribute import local_coordinate
 from inductor_passes.sharding.placements import Placements, fmt, nbytes
 from inductor_passes.sharding.propagate import Plan, propagate
 
@@ -239,7 +240,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
         return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd)
 
     # the strides each input's local tensor arrives with (inductor_passes.layout)
-    coord, mesh_shape = mesh.get_coordinate(), tuple(mesh.shape)
+    coord, mesh_shape = local_coordinate(mesh), tuple(mesh.shape)
     in_strides = [layout.input_local_strides(
         i.shape, i.stride, pl, mesh_shape, coord,
         i.local_stride if i.kind == "dtensor" and tuple(i.placements) == tuple(pl) else None)
@@ -274,7 +275,7 @@ def _finish(gm, program: JointProgram, plan: Plan, mesh, primal_pl, joint,
     """The runtime step around compiled (or simulated) local programs, recorded.
     ``in_strides``: the LOCAL strides the compiled graphs expect of each input (None: any)."""
     ledger.buckets, ledger.issued_by_kind = joint.buckets, joint.issued
-    coord, mesh_shape = mesh.get_coordinate(), tuple(mesh.shape)
+    coord, mesh_shape = local_coordinate(mesh), tuple(mesh.shape)
 
     out_node = next(iter(program.graph_module.graph.find_nodes(op="output")))
     out_pl = list(plan.nodes[out_node.name].inputs[:program.num_fwd_outputs])

@@ -53,10 +53,23 @@ class AxisGroup:
         self.name, self.size, self.coordinate, self.group_name = name, size, coordinate, group_name
 
 
+def local_coordinate(mesh) -> tuple[int, ...] | None:
+    """This rank's piece index on each mesh axis as DTensor lays data out: its rank within the
+    axis's process group (``get_local_rank``); None when the rank is not in the mesh. On a mesh
+    whose device ids do not ascend along an axis (a DeviceMesh over [1, 0]) this differs from
+    ``get_coordinate()``: torch orders a group's ranks ascending, and ``distribute_tensor``, the
+    collectives and ``full_tensor`` follow the group (rank 0 holds piece 0). Lowering by
+    ``get_coordinate()`` there gathered pieces in the wrong order: wrong numbers, no error."""
+    if mesh.get_coordinate() is None:
+        return None
+    return tuple(mesh.get_local_rank(i) for i in range(mesh.ndim))
+
+
 def mesh_axes(mesh, coordinate: Sequence[int] | None = None) -> list[AxisGroup]:
-    """Per mesh axis: name, size, this rank's coordinate (or ``coordinate``, to lower the graph
-    of another rank: the SPMD simulator does) and the process group's name."""
-    coord = mesh.get_coordinate() if coordinate is None else list(coordinate)
+    """Per mesh axis: name, size, this rank's piece index (``local_coordinate``; or
+    ``coordinate``, to lower the graph of another rank: the SPMD simulator does) and the process
+    group's name."""
+    coord = local_coordinate(mesh) if coordinate is None else list(coordinate)
     if coord is None:
         raise RuntimeError(f"this rank is not part of {mesh}")
     names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))

@@ -106,6 +106,16 @@ def test_a_rank_failing_at_any_compile_stage_stops_every_rank(nproc):
     assert max(float(s) for _, _, s in faults) <= 10, out
 
 
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_meshes_in_any_device_order_train_like_one_process(nproc):
+    """DeviceMesh over [1, 0] (and Mesh([1, 0])) on 2 ranks; [[3, 2], [1, 0]], [[2, 3], [0, 1]]
+    and [[0, 2], [1, 3]] on 4: loss and gradients equal one process's (a gather on a permuted
+    axis came back in the wrong order, with no error)."""
+    out = torchrun("permuted_mesh.py", nproc, timeout=300).stdout
+    layouts = 2 if nproc == 2 else 3
+    assert out.count("PERMUTED OK") == layouts * nproc, out
+
+
 def test_two_rank_mixtral_moe_parity():
     """Mixtral-like MoE (transformers' default grouped_mm experts path: sort, index, histc,
     cumsum, its grouped GEMM op), tp=2 with a hand plan, Inductor, 3 AdamW steps: loss,

@@ -26,6 +26,8 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from inductor_passes.redistribute import local_coordinate
+
 from .simulate import ReplicaMismatch, coordinates, run_spmd, shard_global
 
 OUTCOMES = ("pass", "fallback", "error", "wrong", "crash", "break")
@@ -109,7 +111,7 @@ def placement_options(shapes: Sequence[tuple[int, ...]], dtypes, mesh_shape: Seq
 
 
 def _as_dtensor(x: torch.Tensor, mesh, pls) -> torch.Tensor:
-    coord = tuple(mesh.get_coordinate())
+    coord = local_coordinate(mesh)  # DTensor's piece index (group rank), as lowering uses
     local = shard_global(x.detach(), pls, coord, tuple(mesh.shape))
     dt = DTensor.from_local(local, mesh, pls, run_check=False, shape=x.shape, stride=x.stride())
     return dt.detach().requires_grad_(x.requires_grad)
