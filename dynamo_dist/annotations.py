@@ -97,18 +97,29 @@ def with_sharding_constraint(t: torch.Tensor, mesh: DeviceMesh,
                              placements: Sequence[Placement]) -> torch.Tensor:
     """Pin ``t`` (global shape) to ``placements`` (one per mesh axis) at this point of the program.
 
-    Raises ValueError when the placements cannot apply to ``t`` (see ``validate_placements``),
-    DistCompileError when they split one tensor dim by two mesh axes (not planned inside a
-    program yet; ``refuse_nested_splits``).
+    Raises TypeError when ``t`` is not a tensor; DistCompileError when the placements cannot
+    apply to ``t`` (``validate_placements``: a dim out of range, a Partial op other than sum,
+    avg, max, min) or split one tensor dim by two mesh axes (not planned inside a program yet;
+    ``refuse_nested_splits``).
     """
     from .plans.spec import refuse_nested_splits, refuse_strided_nesting, validate_placements
 
+    require_tensor("with_sharding_constraint", t)
+    # validated before normalising: Shard(-3) of a 2-D tensor must not become Shard(-1)
+    validate_placements("with_sharding_constraint", tuple(t.shape), mesh, tuple(placements))
     placements = normalize(tuple(placements), t.ndim)
-    validate_placements("with_sharding_constraint", tuple(t.shape), mesh, placements)
     refuse_strided_nesting("with_sharding_constraint", tuple(t.shape), mesh, placements)
     if not torch.compiler.is_compiling():  # traced: the backend refuses it, naming the line
         refuse_nested_splits("with_sharding_constraint", tuple(t.shape), mesh, placements)
     return sharding_constraint(t, encode_spec(mesh, placements))
+
+
+def require_tensor(what: str, t) -> None:
+    """Raise TypeError unless ``t`` is a tensor (a list or a number has no shape to shard)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: the value to annotate must be a torch.Tensor, got "
+                        f"{type(t).__name__} ({t!r:.60}); fix: pass a tensor "
+                        f"(torch.as_tensor(value)), or leave a non-tensor unannotated")
 
 
 CONSTRAINT_OP = torch.ops.dynamo_dist.sharding_constraint.default

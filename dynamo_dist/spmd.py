@@ -121,10 +121,12 @@ def mark_sharding(t: torch.Tensor, mesh: MeshLike, partition_spec: Sequence[Any]
     records the annotation, so that passing ``t`` to a compiled program plans it in that
     placement (each rank slices its piece; no communication), and returns the DTensor of it.
     Eagerly on a DTensor: returns ``t`` redistributed. ``mesh`` None: the global mesh.
-    Raises ValueError for a bad spec (see ``partition_spec_to_placements``).
+    Raises TypeError when ``t`` is not a tensor, ValueError for a bad spec (see
+    ``partition_spec_to_placements``), DistCompileError for placements that cannot apply.
     """
-    from .annotations import with_sharding_constraint
+    from .annotations import require_tensor, with_sharding_constraint
 
+    require_tensor("mark_sharding", t)
     dm, pls = _resolve(mesh, partition_spec, t.ndim)
     if torch.compiler.is_compiling():
         return with_sharding_constraint(t, dm, pls)
@@ -148,10 +150,11 @@ def clear_sharding(t: torch.Tensor) -> torch.Tensor:
 
 def with_sharding_constraint(t: torch.Tensor, mesh: MeshLike, spec: Sequence[Any]) -> torch.Tensor:
     """Pin ``t`` to a partition spec or to placements at this point of the program (JAX's
-    ``with_sharding_constraint``). Returns the constrained value. Raises ValueError on a bad
-    spec."""
-    from .annotations import with_sharding_constraint as constrain
+    ``with_sharding_constraint``). Returns the constrained value. Raises TypeError for a
+    non-tensor, ValueError on a bad spec, DistCompileError for placements that cannot apply."""
+    from .annotations import require_tensor, with_sharding_constraint as constrain
 
+    require_tensor("with_sharding_constraint", t)
     dm, pls = _resolve(mesh, spec, t.ndim)
     return constrain(t, dm, pls)
 

@@ -87,3 +87,35 @@ def test_in_place_update_of_a_parameter_is_rejected(fake_mesh):
         torch.compile(step, backend="dist", options={"inductor": False})(torch.randn(2, 4))
     assert "in place" in str(e.value) and "input mutation" in str(e.value)
     assert "fc" in str(e.value) and "fix:" in str(e.value)
+
+
+def test_annotations_validate_at_call_time(fake_mesh):
+    """Bad annotations fail where they are written, naming the argument and a fix: a negative
+    dim out of range is not normalised into range first (Shard(-3) of a 2-D tensor became
+    Shard(-1), then a pad error); Partial('prod') is refused up front (it failed at the first
+    call); a list or a number is a TypeError (it was "'list' object has no attribute 'ndim'")."""
+    from torch.distributed.tensor import Partial
+
+    from dynamo_dist import mark_sharding, with_sharding_constraint
+
+    mesh = fake_mesh((2,), ("tp",))
+    x = torch.randn(4, 6)
+    with pytest.raises(DistCompileError, match=r"Shard\(-3\) on mesh axis 'tp' but the tensor "
+                                               r"has 2 dims") as e:
+        with_sharding_constraint(x, mesh, [Shard(-3)])
+    assert "fix:" in str(e.value) and "(4, 6)" in str(e.value)
+
+    def pinned(t):
+        return with_sharding_constraint(t * 2, mesh, [Shard(-3)]) + 1
+
+    with pytest.raises(DistCompileError, match=r"Shard\(-3\)"):
+        torch.compile(pinned, backend="dist", options={"inductor": False})(x)
+    with pytest.raises(DistCompileError,
+                       match=r"(?s)Partial\('prod'\) on mesh axis 'tp'.*fix:"):
+        with_sharding_constraint(x, mesh, [Partial("prod")])
+    for bad in ([1.0, 2.0], 1.5):
+        with pytest.raises(TypeError, match=r"(?s)mark_sharding: the value to annotate must be a "
+                                            r"torch.Tensor.*fix:"):
+            mark_sharding(bad, mesh, ("tp",))
+        with pytest.raises(TypeError, match="with_sharding_constraint: .*torch.Tensor"):
+            with_sharding_constraint(bad, mesh, [Shard(0)])

@@ -65,6 +65,10 @@ def to_placements(spec: Any, mesh: DeviceMesh, ndim: int, what: str) -> tuple[Pl
     return tuple(spec)
 
 
+# the pending reductions lowering completes exactly (a product would need x ** (1 / n) pieces)
+PARTIAL_OPS = ("sum", "avg", "max", "min")
+
+
 def validate_placements(what: str, shape: Sequence[int], mesh: DeviceMesh,
                         placements: Sequence[Placement]) -> None:
     """Raise DistCompileError unless ``placements`` can apply to a tensor of GLOBAL ``shape``."""
@@ -92,7 +96,13 @@ def validate_placements(what: str, shape: Sequence[int], mesh: DeviceMesh,
                      f"{shape[p.dim]} is not {k} blocks each split evenly in {n}",
                      f"use a split_factor k (the number of fused parts) with k x {n} dividing "
                      f"{shape[p.dim]}, or Shard({p.dim})")
-        elif not isinstance(p, (Replicate, Partial)):
+        elif isinstance(p, Partial):
+            if p.reduce_op not in PARTIAL_OPS:
+                fail(f"Partial({p.reduce_op!r}) on mesh axis '{names[axis]}': only pending "
+                     f"{', '.join(PARTIAL_OPS)} reductions are planned",
+                     f"use Partial() (a pending sum) or one of {list(PARTIAL_OPS)}, or reduce "
+                     f"before pinning (Replicate())")
+        elif not isinstance(p, Replicate):
             fail(f"unsupported placement {p!r}",
                  "use Shard(d), _StridedShard(d, split_factor=k), Replicate() or Partial()")
 
