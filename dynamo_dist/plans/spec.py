@@ -107,7 +107,8 @@ def validate_placements(what: str, shape: Sequence[int], mesh: DeviceMesh,
                  "use Shard(d), _StridedShard(d, split_factor=k), Replicate() or Partial()")
 
 
-def _split_axes_by_dim(shape: Sequence[int], placements: Sequence[Placement]) -> dict[int, list[int]]:
+def _split_axes_by_dim(shape: Sequence[int],
+                       placements: Sequence[Placement]) -> dict[int, list[int]]:
     """Tensor dim -> the mesh axes that split it (Shard or _StridedShard), in mesh-axis order."""
     by_dim: dict[int, list[int]] = {}
     for axis, p in enumerate(placements):
