@@ -175,12 +175,41 @@ def disable_manual_sharding(t: torch.Tensor, partition_spec: Sequence[Any],
                             full_shape: Sequence[int], *, mesh: MeshLike = None) -> torch.Tensor:
     """This rank's LOCAL ``t`` -> the GLOBAL value of ``full_shape`` it is a piece of under
     ``partition_spec`` (GSPMD shard-to-full). Returns a DTensor (a global value). Raises
-    ValueError on a bad spec."""
+    ValueError on a bad spec, DistCompileError when ``t``'s shape is no rank's piece of
+    ``full_shape`` under the spec (a wrong ``full_shape`` made an inconsistent DTensor)."""
     from inductor_passes.layout import contiguous_strides
 
+    from .annotations import require_tensor
+
+    require_tensor("disable_manual_sharding", t)
     dm, pls = _resolve(mesh, partition_spec, len(full_shape))
+    _check_piece(tuple(t.shape), tuple(int(s) for s in full_shape), dm, pls)
     return DTensor.from_local(t, dm, pls, run_check=False, shape=torch.Size(full_shape),
                               stride=contiguous_strides(full_shape))
+
+
+def _check_piece(local: tuple, full: tuple, dm: DeviceMesh, pls) -> None:
+    """Raise DistCompileError unless ``local`` is the shape of some rank's piece of a value of
+    GLOBAL shape ``full`` under ``pls`` (every coordinate is tried: the check must not depend on
+    which rank runs it, so that all ranks raise alike)."""
+    import itertools
+
+    from inductor_passes.sharding.placements import local_shape
+
+    from .errors import DistCompileError
+
+    mesh_shape = tuple(dm.shape)
+    pieces = set()
+    if len(local) == len(full):
+        pieces = {local_shape(full, pls, mesh_shape, c)
+                  for c in itertools.product(*(range(n) for n in mesh_shape))}
+    if local not in pieces:
+        raise DistCompileError(
+            f"disable_manual_sharding: a local tensor of shape {local} is not a piece of "
+            f"full_shape {full} under {list(pls)} (pieces: {sorted(pieces)})",
+            shapes=[full], mesh=dm, placements=list(pls),
+            fix="pass the GLOBAL shape the pieces make up as full_shape (for an even split: "
+                "the local size times the mesh axis size on each split dim)")
 
 
 def local_map(out_specs: Any, in_specs: Sequence[Any], *, mesh: MeshLike = None,

@@ -119,3 +119,26 @@ def test_annotations_validate_at_call_time(fake_mesh):
             mark_sharding(bad, mesh, ("tp",))
         with pytest.raises(TypeError, match="with_sharding_constraint: .*torch.Tensor"):
             with_sharding_constraint(bad, mesh, [Shard(0)])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_disable_manual_sharding_checks_full_shape(fake_mesh, compiled):
+    """A full_shape the local pieces do not make up is an error on every rank (it returned an
+    inconsistent DTensor); the right one round-trips."""
+    from dynamo_dist import disable_manual_sharding, enable_manual_sharding
+
+    mesh = fake_mesh((2,), ("tp",))
+    x = torch.randn(4, 6)
+
+    def f(h, full):
+        local = enable_manual_sharding(h, ("tp", None), mesh=mesh)
+        return disable_manual_sharding(local * 2, ("tp", None), full, mesh=mesh)
+
+    run = torch.compile(f, backend="dist", options={"inductor": False}) if compiled else f
+    assert tuple(run(x, (4, 6)).shape) == (4, 6)
+    for wrong, piece in (((6, 6), "(3, 6)"), ((4, 5), "(2, 5)")):
+        torch._dynamo.reset()
+        with pytest.raises(DistCompileError, match=r"local tensor of shape \(2, 6\) is not a "
+                                                   r"piece of full_shape") as e:
+            run(x, wrong)
+        assert piece in str(e.value) and "fix:" in str(e.value)
