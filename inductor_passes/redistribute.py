@@ -59,9 +59,14 @@ def local_coordinate(mesh) -> tuple[int, ...] | None:
     whose device ids do not ascend along an axis (a DeviceMesh over [1, 0]) this differs from
     ``get_coordinate()``: torch orders a group's ranks ascending, and ``distribute_tensor``, the
     collectives and ``full_tensor`` follow the group (rank 0 holds piece 0). Lowering by
-    ``get_coordinate()`` there gathered pieces in the wrong order: wrong numbers, no error."""
-    if mesh.get_coordinate() is None:
-        return None
+    ``get_coordinate()`` there gathered pieces in the wrong order: wrong numbers, no error. On
+    the ``fake`` process group (tracing, simulation: no collective runs, and a re-created group
+    leaves a mesh's groups unregistered) it is ``get_coordinate()``."""
+    import torch.distributed as dist
+
+    coord = mesh.get_coordinate()
+    if coord is None or not dist.is_initialized() or dist.get_backend() == "fake":
+        return None if coord is None else tuple(coord)  # no collective runs on ``fake``
     return tuple(mesh.get_local_rank(i) for i in range(mesh.ndim))
 
 
