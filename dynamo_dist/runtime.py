@@ -24,6 +24,7 @@ from inductor_passes.compile import CompiledJoint
 from inductor_passes.layout import same_layout
 from inductor_passes.sharding.placements import Placements
 
+from . import contract
 from .capture import InputInfo
 
 log = logging.getLogger("dynamo_dist")
@@ -87,6 +88,8 @@ class DistStep:
 
     def __call__(self, *args):
         self.calls += 1
+        if contract.enabled():
+            contract.check_same_values(self._global_inputs(args), self.mesh)
         local = []
         for (info, want), want_stride in zip(self._tensor_inputs, self._input_strides):
             x = args[info.index]
@@ -112,6 +115,19 @@ class DistStep:
                                        stride=stride)
             wrapped.append(o)
         return tuple(wrapped)
+
+    def _global_inputs(self, args) -> list[tuple[str, torch.Tensor]]:
+        """The inputs every rank must hold alike: plain tensors that no annotation splits, and
+        the local tensors of DTensors replicated on every mesh axis."""
+        out = []
+        for info, _ in self._tensor_inputs:
+            x = args[info.index]
+            if isinstance(x, DTensor):
+                if all(isinstance(p, Replicate) for p in x.placements):
+                    out.append((f"replicated DTensor input {info.name}", x.to_local()))
+            elif isinstance(x, torch.Tensor) and info.placements is None:
+                out.append((f"plain tensor input {info.name}", x))
+        return out
 
     def _write_back(self, args, new_values) -> None:
         """Input mutations: copy each new value (local, in the input's planned placement) into

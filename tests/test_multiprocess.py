@@ -116,6 +116,14 @@ def test_meshes_in_any_device_order_train_like_one_process(nproc):
     assert out.count("PERMUTED OK") == layouts * nproc, out
 
 
+def test_input_contract_check_names_the_input_that_differs():
+    """DYNAMO_DIST_CHECK_INPUTS=1: a plain tensor input (or a replicated DTensor's local) that
+    differs on one rank is an error on every rank naming the input and the ranks; off by default
+    (the mismatch then runs, each rank on its own value)."""
+    out = torchrun("input_contract.py", 2, timeout=240).stdout
+    assert out.count("CONTRACT OK rank") == 2, out
+
+
 def test_two_rank_mixtral_moe_parity():
     """Mixtral-like MoE (transformers' default grouped_mm experts path: sort, index, histc,
     cumsum, its grouped GEMM op), tp=2 with a hand plan, Inductor, 3 AdamW steps: loss,
