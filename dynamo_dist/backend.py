@@ -166,6 +166,33 @@ def _constraints(gm: fx.GraphModule):
     return found
 
 
+def _program_signature(gm: fx.GraphModule) -> list[str]:
+    """The global program's ops and shapes in order: what the planning rank's plan was made for
+    (node names are the plan's keys)."""
+    out = []
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        out.append(f"{n.name} {n.op} {n.target} {shape}")
+    return out
+
+
+def _refuse_other_program(gm: fx.GraphModule, mine: list[str], theirs: list[str], mesh) -> None:
+    """This rank traced another program than the planning rank (a Python branch on the rank):
+    its plan does not fit. Raise naming the first op that differs (it was a KeyError)."""
+    i = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b),
+             min(len(mine), len(theirs)))
+    nodes = list(gm.graph.nodes)
+    here = nodes[i] if i < len(nodes) else None
+    raise DistCompileError(
+        f"rank divergence: this rank traced another program than the mesh's planning rank; "
+        f"first difference at op #{i}: here {mine[i] if i < len(mine) else 'nothing'}, there "
+        f"{theirs[i] if i < len(theirs) else 'nothing'}", source=user_source(here), mesh=mesh,
+        fix="make the compiled code the same on every rank: no Python branches on "
+            "dist.get_rank() or mesh coordinates (compute rank-dependent values as tensors, "
+            "e.g. torch.where on a rank tensor)")
+
+
 def _input_placements(info, mesh) -> tuple[Placements, str | None]:
     """``capture.planned_input_placements``, logged where it differs from the input's own: DTensor
     redistributes such an input exactly at the boundary (and its gradient back). Returns
@@ -226,7 +253,10 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
                 log.warning("dynamo_dist: %s", msg)
         return plan
 
-    plan = plan_once(mesh, make_plan)
+    mine = _program_signature(program.graph_module)
+    theirs, plan = plan_once(mesh, lambda: (mine, make_plan()))
+    if theirs != mine:
+        _refuse_other_program(program.graph_module, mine, theirs, mesh)
     plan.fallbacks.extend(msg for _, msg in boundary if msg)
     seconds["plan"] = time.perf_counter() - t
 

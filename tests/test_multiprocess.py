@@ -92,6 +92,7 @@ def test_rank_divergent_collectives_fail_fast_on_every_rank():
     named (the launcher's timeout would catch a hang)."""
     out = torchrun("rank_divergence.py", 2, timeout=240).stdout
     assert out.count("DIVERGENCE CAUGHT rank") == 2 and "MISSING RANK CAUGHT" in out, out
+    assert out.count("OTHER PROGRAM CAUGHT rank") == 2, out
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

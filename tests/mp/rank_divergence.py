@@ -1,7 +1,8 @@
 """Run under torchrun (gloo, 2 ranks). A rank-specialised program whose ranks issue the same
 collectives compiles and runs; one whose collective exists on rank 0 only fails compilation on
-EVERY rank with a clear error (instead of rank 0 hanging in its all_reduce). Prints
-"DIVERGENCE CAUGHT rank <r>"; exits non-zero otherwise."""
+EVERY rank with a clear error (instead of rank 0 hanging in its all_reduce); one that calls
+another op per rank is refused on every rank (the planning rank's plan does not fit). Prints
+"DIVERGENCE CAUGHT rank <r>" and "OTHER PROGRAM CAUGHT rank <r>"; exits non-zero otherwise."""
 
 import os
 import sys
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 
 
@@ -43,6 +45,23 @@ def main() -> int:
         print(f"rank {rank}: the divergent program compiled", flush=True)
         return 1
 
+    # another op per rank (a Python branch on the rank): the plan made on rank 0 does not fit
+    # rank 1's program (it was a KeyError there); both raise, rank 0 through rank 1's failure
+    def rank_dependent_op(x, w):
+        op = torch.sin if dist.get_rank() == 0 else torch.cos
+        return op(x @ w.t()).sum()
+
+    w = distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)])
+    try:
+        torch.compile(rank_dependent_op, backend="dist", fullgraph=True)(torch.ones(3, 4), w)
+    except Exception as exc:
+        msg = str(exc)
+        assert "rank divergence: this rank traced another program" in msg, msg
+        assert "aten.cos" in msg and "aten.sin" in msg, msg
+        print(f"OTHER PROGRAM CAUGHT rank {rank}", flush=True)
+    else:
+        return 1
+
     # a graph only rank 0 compiles (a rank-dependent graph break would do this): rank 0 stops
     # waiting for rank 1's schedule after DYNAMO_DIST_SCHEDULE_TIMEOUT seconds
     if rank == 0:
@@ -52,7 +71,7 @@ def main() -> int:
                 torch.ones(2))
             return 1
         except Exception as exc:
-            assert "ranks [1] did not compile graph #3" in str(exc), str(exc)
+            assert "ranks [1] did not compile graph #4" in str(exc), str(exc)
             print("MISSING RANK CAUGHT", flush=True)
     dist.barrier()
     dist.destroy_process_group()
