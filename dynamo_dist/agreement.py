@@ -54,7 +54,8 @@ def _prefix(graph: int) -> str:
     return f"dynamo_dist/graph/{graph}"
 
 
-def _timeout(var: str, default: float) -> float:
+def timeout_seconds(var: str, default: float) -> float:
+    """Seconds from environment variable ``var`` (unset: ``default``); ValueError naming it."""
     text = os.environ.get(var, "")
     try:
         return float(text) if text else default
@@ -106,7 +107,8 @@ def wait_for(keys: Sequence[str], ranks: Sequence[int], what: str, timeout: floa
         time.sleep(_POLL_S)
 
 
-def _mesh_ranks(mesh) -> list[int]:
+def mesh_ranks(mesh) -> list[int]:
+    """The mesh's global ranks in mesh order (the first is coordinate (0, ..., 0))."""
     return [int(r) for r in mesh.mesh.flatten().tolist()]
 
 
@@ -116,14 +118,14 @@ def plan_once(mesh, compute: Callable[[], T]) -> T:
     PeerFailed / DistCompileError on the others (see ``wait_for``)."""
     if not has_peers() or mesh.size() == 1:
         return compute()
-    ranks = _mesh_ranks(mesh)
+    ranks = mesh_ranks(mesh)
     store = _compat.default_store()
     key = f"{_prefix(_STATE['graph'])}/plan/{'-'.join(map(str, ranks))}"
     if dist.get_rank() == ranks[0]:
         plan = compute()
         store.set(key, pickle.dumps(plan))
         return plan
-    wait_for([key], [ranks[0]], "the plan", _timeout("DYNAMO_DIST_PLAN_TIMEOUT", PLAN_TIMEOUT_S),
+    wait_for([key], [ranks[0]], "the plan", timeout_seconds("DYNAMO_DIST_PLAN_TIMEOUT", PLAN_TIMEOUT_S),
              fix="the planning rank is slow or stuck: DYNAMO_DIST_PLAN_TIMEOUT sets the wait "
                  "(seconds)")
     return pickle.loads(store.get(key))

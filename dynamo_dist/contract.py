@@ -45,7 +45,7 @@ def check_same_values(named: Sequence[tuple[str, torch.Tensor]], mesh) -> None:
         return
     _CALLS["n"] += 1
     store = _compat.default_store()
-    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    ranks = agreement.mesh_ranks(mesh)
     prefix = f"dynamo_dist/inputs/{_CALLS['n']}"
     store.set(f"{prefix}/{dist.get_rank()}", json.dumps([digest(t) for _, t in named]))
     keys = [f"{prefix}/{r}" for r in ranks]

@@ -86,7 +86,7 @@ def check_same_schedule(graphs: Iterable[fx.GraphModule], what: str) -> None:
     prefix = f"dynamo_dist/schedule/{graph}"
     store.set(f"{prefix}/{rank}", json.dumps({"digest": digest, "schedule": schedule,
                                               "what": what}))
-    timeout = agreement._timeout("DYNAMO_DIST_SCHEDULE_TIMEOUT", 120.0)
+    timeout = agreement.timeout_seconds("DYNAMO_DIST_SCHEDULE_TIMEOUT", 120.0)
     keys = [f"{prefix}/{r}" for r in range(world)]
     try:
         agreement.wait_for(keys, list(range(world)), f"the schedule check ({what})", timeout,
