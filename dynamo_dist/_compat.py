@@ -296,8 +296,8 @@ def install_dynamo_tracing_fallback() -> None:
             # user's program (mismatched shapes) fails there too, and is reported as such.
             try:
                 result = OutputSharding(_replicated_output_specs(prop, rep))
-            except Exception:
-                raise _untraceable(op_schema, exc) from exc
+            except Exception as meta_exc:
+                raise _fails_on_one_device(op_schema, meta_exc) from meta_exc
         # (specs inside tensor lists too: OpSchema.args_spec skips them for ops DTensor has no
         # schema info for, such as aten._chunk_cat)
         if _flat_specs(rep) != _flat_specs(op_schema) or result.redistribute_schema is not None:
@@ -525,6 +525,24 @@ _STATIC_FIX = {
 }
 
 
+# what fake tensors raise for an op whose output shape or value depends on tensor data
+DATA_DEPENDENT_ERRORS = (torch._subclasses.fake_tensor.DynamicOutputShapeException,
+                         torch._subclasses.fake_tensor.DataDependentOutputException)
+
+
+def data_dependent_error(op) -> Exception:
+    """The DistCompileError for a data-dependent ``op`` (an OpOverload, or None) met while the
+    backend traces plain tensors: the op and its static-shape form."""
+    from .errors import DistCompileError
+
+    name = op._schema.name.split("::")[-1] if hasattr(op, "_schema") else ""
+    return DistCompileError(
+        f"{op} cannot be compiled for the dist backend: its output depends on tensor data "
+        f"(data-dependent shape or value), which a plan made at compile time cannot know",
+        op=op, fix=_STATIC_FIX.get(name, "compute it outside the compiled region, or write it "
+                                         "with a static output shape"))
+
+
 def _data_dependent_error(op_schema) -> Exception:
     """The DistCompileError for a data-dependent op met while Dynamo traces for dist: names the
     op, the argument shapes/dtypes (global), mesh, placements, and the static-shape form."""
@@ -559,6 +577,23 @@ def _untraceable(op, exc: Exception) -> Exception:
         f"{(str(exc).splitlines() or [''])[0][:300]}",
         op=name, fix="compute it outside the compiled region (for example when its output shape "
                      "depends on tensor values), or on plain tensors")
+
+
+def _fails_on_one_device(op_schema, exc: Exception) -> Exception:
+    """The op fails on the GLOBAL (replicated) arguments: a bug of the program itself
+    (mismatched shapes), which the same call on one device raises too. Says so, with torch's
+    own message, rather than blaming the backend."""
+    from .errors import DistCompileError
+
+    specs = [s for s in pytree.tree_leaves((op_schema.args_schema, op_schema.kwargs_schema))
+             if isinstance(s, DTensorSpec)]
+    return DistCompileError(
+        f"{op_schema.op} fails on these arguments as it would on one device: "
+        f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}", op=op_schema.op,
+        shapes=[tuple(s.tensor_meta.shape) for s in specs if s.tensor_meta is not None],
+        mesh=specs[0].mesh if specs else None,
+        placements=", ".join(str(tuple(s.placements)) for s in specs),
+        fix="correct the call (its shapes or arguments): the program fails without dist too")
 
 
 def _replicated_output_specs(prop, op_schema):

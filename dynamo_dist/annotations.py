@@ -66,6 +66,10 @@ def mesh_from_key(key: str) -> DeviceMesh:
         raise KeyError(f"mesh '{key}' named by a sharding constraint no longer exists") from None
 
 
+# a constraint spec whose text after "|" starts with this carries a bad annotation's message
+PIN_ERROR = "!"
+
+
 def encode_spec(mesh: DeviceMesh, placements: Placements) -> str:
     return f"{mesh_key(mesh)}|{fmt(placements)}"
 
@@ -99,19 +103,31 @@ def with_sharding_constraint(t: torch.Tensor, mesh: DeviceMesh,
 
     Raises TypeError when ``t`` is not a tensor; DistCompileError when the placements cannot
     apply to ``t`` (``validate_placements``: a dim out of range, a Partial op other than sum,
-    avg, max, min) or split one tensor dim by two mesh axes (not planned inside a program yet;
-    ``refuse_nested_splits``).
+    avg, max, min) or nest a block-strided split with another split of one tensor dim. Several
+    mesh axes may Shard one dim (``[Shard(0), Shard(0)]``): nested in mesh-axis order, as DTensor.
     """
-    from .plans.spec import refuse_nested_splits, refuse_strided_nesting, validate_placements
-
     require_tensor("with_sharding_constraint", t)
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace the raise of our error (fullgraph=True turned it into "Attempted
+        # to call a super() attribute"): the backend checks the placements as written
+        # (``checked_constraint``), naming the user's line
+        return sharding_constraint(t, encode_spec(mesh, tuple(placements)))
+    return sharding_constraint(t, encode_spec(mesh, checked_placements(
+        "with_sharding_constraint", tuple(t.shape), mesh, tuple(placements))))
+
+
+def checked_placements(what: str, shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple,
+                       source: str | None = None) -> Placements:
+    """``placements`` validated for a value of GLOBAL ``shape`` on ``mesh`` and normalised
+    (Shard(-1) -> Shard(ndim - 1)). Raises DistCompileError (``validate_placements``,
+    ``refuse_strided_nesting``) naming ``what`` and the user's ``source`` line."""
+    from .plans.spec import refuse_strided_nesting, validate_placements
+
     # validated before normalising: Shard(-3) of a 2-D tensor must not become Shard(-1)
-    validate_placements("with_sharding_constraint", tuple(t.shape), mesh, tuple(placements))
-    placements = normalize(tuple(placements), t.ndim)
-    refuse_strided_nesting("with_sharding_constraint", tuple(t.shape), mesh, placements)
-    if not torch.compiler.is_compiling():  # traced: the backend refuses it, naming the line
-        refuse_nested_splits("with_sharding_constraint", tuple(t.shape), mesh, placements)
-    return sharding_constraint(t, encode_spec(mesh, placements))
+    validate_placements(what, shape, mesh, placements, source)
+    placements = normalize(placements, len(shape))
+    refuse_strided_nesting(what, shape, mesh, placements, source)
+    return placements
 
 
 def require_tensor(what: str, t) -> None:

@@ -23,12 +23,12 @@ from inductor_passes import layout
 from inductor_passes.compile import compile_joint
 from inductor_passes.lowering import lower
 from inductor_passes.redistribute import local_coordinate
-from inductor_passes.sharding.placements import Placements, fmt, nbytes
+from inductor_passes.sharding.placements import Placements, fmt, nbytes, parse
 from inductor_passes.sharding.propagate import Plan, propagate
 
 from . import _compat, agreement, compiled_autograd, plan_cache
 from .agreement import plan_once
-from .annotations import CONSTRAINT_OP, data_axes, decode_spec, mesh_from_key
+from .annotations import CONSTRAINT_OP, PIN_ERROR, data_axes, mesh_from_key
 from .capture import JointProgram, planned_input_placements, trace_joint
 from .divergence import check_same_schedule
 from .errors import DistCompileError, user_source
@@ -152,17 +152,31 @@ def _dump(index: int, mesh, program: JointProgram, plan: Plan, joint) -> None:
 
 
 def _constraints(gm: fx.GraphModule):
-    """Sharding-constraint node -> (mesh key, placements). Raises DistCompileError, naming the
-    user's line, for a constraint that splits one tensor dim by two mesh axes."""
-    from .plans.spec import refuse_nested_splits
+    """Sharding-constraint node -> (mesh key, placements), each validated here as the user wrote
+    it inside the program (``annotations.checked_placements``; Dynamo cannot trace our raise)
+    and rewritten normalised. Raises DistCompileError naming the user's line."""
+    from .annotations import checked_placements, encode_spec
 
     found = {}
     for node in gm.graph.find_nodes(op="call_function", target=CONSTRAINT_OP):
-        key, pls = found[node] = decode_spec(node.args[1])
-        val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-        if val is not None:
-            refuse_nested_splits("with_sharding_constraint", tuple(val.shape),
-                                 mesh_from_key(key), pls, user_source(node))
+        key, _, text = node.args[1].partition("|")
+        mesh, source = mesh_from_key(key), user_source(node)
+        shape = tuple(node.args[0].meta["val"].shape)
+        if text.startswith(PIN_ERROR):  # a bad partition spec, found while Dynamo traced it
+            what, _, why = text[len(PIN_ERROR):].partition(": ")
+            why, _, fix = why.partition("; fix: ")
+            raise DistCompileError(f"{what}: {why}", source=source, shapes=[shape], mesh=mesh,
+                                   fix=fix or None)
+        try:
+            pls = parse(text)
+        except ValueError:
+            raise DistCompileError(
+                f"with_sharding_constraint: placements {text} are not placements", source=source,
+                shapes=[shape], mesh=mesh, fix="give one Shard(d), Replicate() or Partial() per "
+                "mesh axis, or a partition spec (mark_sharding)") from None
+        pls = checked_placements("with_sharding_constraint", shape, mesh, pls, source)
+        node.args = (node.args[0], encode_spec(mesh, pls), *node.args[2:])
+        found[node] = (key, pls)
     return found
 
 

@@ -423,7 +423,8 @@ def planned_input_placements(info: InputInfo,
                              mesh_shape: Sequence[int]) -> tuple[tuple[Placement, ...], list[str]]:
     """The placement the plan gives an input, and why it differs from the input's own: a plain
     tensor is Replicate; a DTensor keeps its placement except on mesh axes the planner cannot
-    hold (``placements.plannable``: uneven or nested splits), which become Replicate."""
+    hold (``placements.plannable``: unsupported types, a _StridedShard that is uneven or nested
+    with another split), which become Replicate."""
     from inductor_passes.sharding.placements import normalize, plannable, replicate
 
     if info.placements is None:
@@ -476,9 +477,14 @@ def _lift_input_mutations(gm: fx.GraphModule, num_user_outputs: int, mesh,
 
 @contextlib.contextmanager
 def _leaf_mutation_explained(tensor_infos: Sequence[InputInfo]):
-    """autograd's "leaf Variable ... in-place operation" as a DistCompileError naming inputs."""
+    """autograd's "leaf Variable ... in-place operation" as a DistCompileError naming inputs;
+    a data-dependent op on plain tensors (Dynamo let it through with
+    ``capture_dynamic_output_shape_ops``) as one naming the op and its static-shape form (its
+    error was the bare op name, "aten.nonzero.default")."""
     try:
         yield
+    except _compat.DATA_DEPENDENT_ERRORS as exc:
+        raise _compat.data_dependent_error(getattr(exc, "func", None)) from exc
     except RuntimeError as exc:
         if "in-place operation" not in str(exc):
             raise

@@ -46,13 +46,13 @@ class Mesh:
         shape = tuple(int(s) for s in mesh_shape)
         if len(ids) != math.prod(shape):
             raise ValueError(f"Mesh: {len(ids)} device ids for mesh shape {shape} "
-                             f"({math.prod(shape)} devices); give one id per device")
+                             f"({math.prod(shape)} devices); fix: give one id per device")
         if len(set(ids)) != len(ids):
-            raise ValueError(f"Mesh: device ids repeat: {ids}")
+            raise ValueError(f"Mesh: device ids repeat: {ids}; fix: list each rank once")
         names = tuple(axis_names) if axis_names is not None else None
         if names is not None and (len(names) != len(shape) or len(set(names)) != len(names)):
             raise ValueError(f"Mesh: axis names {names} must be {len(shape)} unique names, one "
-                             f"per mesh axis of {shape}")
+                             f"per mesh axis of {shape}; fix: name each mesh axis once")
         self.device_ids = tuple(ids)
         self.mesh_shape = shape
         self.axis_names = names

@@ -36,40 +36,60 @@ from .plans import PartitionSpec
 MeshLike = Mesh | DeviceMesh | None
 
 
-def _axis(mesh: DeviceMesh, axis, spec) -> int:
+def _axis(mesh: DeviceMesh, axis) -> int | None:
     names = list(mesh.mesh_dim_names or ())
     if isinstance(axis, int) and not isinstance(axis, bool) and 0 <= axis < mesh.ndim:
         return axis
     if isinstance(axis, str) and axis in names:
         return names.index(axis)
-    raise ValueError(f"partition spec {tuple(spec)}: unknown mesh axis {axis!r}; the mesh has "
-                     f"axes {names or list(range(mesh.ndim))} (shape {tuple(mesh.shape)})")
+    return None
 
 
-def partition_spec_to_placements(mesh: MeshLike, partition_spec: Sequence[Any],
-                                 ndim: int) -> tuple[Placement, ...]:
-    """Partition spec (one entry per tensor dim of an ``ndim``-D tensor) -> one placement per
-    mesh axis. Raises ValueError on an unknown axis, an axis used twice, a spec longer than the
-    tensor, or a tuple whose axes are not in mesh order (DTensor cannot express that split)."""
-    dm = as_device_mesh(mesh)
-    if len(partition_spec) != ndim:
-        raise ValueError(f"partition spec {tuple(partition_spec)} has {len(partition_spec)} "
-                         f"entries for a {ndim}-D tensor; give one entry per tensor dim (None "
-                         f"for a dim that is not split)")
-    out: list[Placement] = [Replicate()] * dm.ndim
+def spec_problem(mesh: DeviceMesh, partition_spec: Sequence[Any], ndim: int,
+                 shape: Sequence[int] | None = None) -> str | None:
+    """Why ``partition_spec`` cannot describe an ``ndim``-D tensor (GLOBAL ``shape``, when
+    known) on ``mesh`` (with a fix), or None. Returned, not raised: inside a compiled program
+    the backend raises it (Dynamo cannot trace the raise), naming the user's line."""
+    spec, axes_of = tuple(partition_spec), list(mesh.mesh_dim_names or range(mesh.ndim))
+    tensor = f"a {ndim}-D tensor" + (f" of shape {tuple(shape)}" if shape is not None else "")
+    where = f"partition spec {spec} for {tensor} on mesh axes {axes_of}"
+    if len(spec) != ndim:
+        return (f"{where}: {len(spec)} entries; fix: give one entry per tensor dim (None for a "
+                f"dim that is not split)")
     used: set[int] = set()
-    for d, entry in enumerate(partition_spec):
-        axes = [_axis(dm, a, partition_spec)
-                for a in (entry if isinstance(entry, (tuple, list)) else (entry,)) if a is not None]
+    for d, entry in enumerate(spec):
+        entries = entry if isinstance(entry, (tuple, list)) else (entry,)
+        axes = [_axis(mesh, a) for a in entries if a is not None]
+        if None in axes:
+            bad = next(a for a in entries if a is not None and _axis(mesh, a) is None)
+            return (f"{where}: unknown mesh axis {bad!r}; fix: name one of {axes_of} (or give "
+                    f"placements, one Shard / Replicate / Partial per mesh axis)")
         if axes != sorted(axes):
-            raise ValueError(f"partition spec {tuple(partition_spec)}: dim {d} is split over "
-                             f"mesh axes {axes} out of mesh order; list them outer axis first")
+            return (f"{where}: dim {d} is split over mesh axes {axes} out of mesh order; fix: "
+                    f"list them outer axis first, {sorted(axes)}")
         for a in axes:
             if a in used:
-                raise ValueError(f"partition spec {tuple(partition_spec)}: mesh axis {a} is "
-                                 f"used twice")
+                return (f"{where}: mesh axis {axes_of[a]!r} is used twice; fix: split each "
+                        f"mesh axis over one tensor dim at most")
             used.add(a)
-            out[a] = Shard(d)
+    return None
+
+
+def partition_spec_to_placements(mesh: MeshLike, partition_spec: Sequence[Any], ndim: int,
+                                 shape: Sequence[int] | None = None) -> tuple[Placement, ...]:
+    """Partition spec (one entry per tensor dim of an ``ndim``-D tensor) -> one placement per
+    mesh axis. Raises ValueError (``spec_problem``: the spec, the mesh axes and a fix) on an
+    unknown axis, an axis used twice, a spec longer than the tensor, or a tuple whose axes are
+    not in mesh order (DTensor cannot express that split)."""
+    dm = as_device_mesh(mesh)
+    problem = spec_problem(dm, partition_spec, ndim, shape)
+    if problem is not None:
+        raise ValueError(problem)
+    out: list[Placement] = [Replicate()] * dm.ndim
+    for d, entry in enumerate(partition_spec):
+        for a in (entry if isinstance(entry, (tuple, list)) else (entry,)):
+            if a is not None:
+                out[_axis(dm, a)] = Shard(d)
     return tuple(out)
 
 
@@ -83,25 +103,26 @@ def placements_to_partition_spec(mesh: MeshLike, placements: Sequence[Placement]
     for axis, p in enumerate(placements):
         if isinstance(p, Partial):
             raise ValueError(f"placements {list(placements)}: Partial on mesh axis {axis} has no "
-                             f"partition-spec form; reduce it first (redistribute to Replicate)")
+                             f"partition-spec form; fix: reduce it first (redistribute to Replicate)")
         if is_strided(p):
             raise ValueError(f"placements {list(placements)}: {p!r} on mesh axis {axis} (block-"
-                             f"strided) has no partition-spec form; use the placements as they "
-                             f"are, or redistribute to Shard({p.dim})")
+                             f"strided) has no partition-spec form; fix: use the placements as "
+                             f"they are, or redistribute to Shard({p.dim})")
         if isinstance(p, Shard):
             entries[p.dim % ndim].append(names[axis] if names else axis)
     return PartitionSpec(*(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries))
 
 
-def _resolve(mesh: MeshLike, spec, ndim: int) -> tuple[DeviceMesh, tuple]:
-    """(DeviceMesh, one placement per mesh axis) from a partition spec or placements."""
+def _resolve(mesh: MeshLike, spec, shape: Sequence[int]) -> tuple[DeviceMesh, tuple]:
+    """(DeviceMesh, one placement per mesh axis) from a partition spec or placements, for a
+    tensor of GLOBAL ``shape``."""
     dm = as_device_mesh(mesh)
     if not torch.compiler.is_compiling():
         # plain tensors in our programs are global values: DTensor must read them as Replicate
         _compat.allow_implicit_replication(True)
     if spec and all(isinstance(p, Placement) for p in spec):
         return dm, tuple(spec)
-    return dm, partition_spec_to_placements(dm, spec, ndim)
+    return dm, partition_spec_to_placements(dm, spec, len(shape), shape)
 
 
 # plain tensors annotated eagerly: inputs of a later compiled call (read by the backend)
@@ -124,12 +145,12 @@ def mark_sharding(t: torch.Tensor, mesh: MeshLike, partition_spec: Sequence[Any]
     Raises TypeError when ``t`` is not a tensor, ValueError for a bad spec (see
     ``partition_spec_to_placements``), DistCompileError for placements that cannot apply.
     """
-    from .annotations import require_tensor, with_sharding_constraint
+    from .annotations import require_tensor
 
     require_tensor("mark_sharding", t)
-    dm, pls = _resolve(mesh, partition_spec, t.ndim)
     if torch.compiler.is_compiling():
-        return with_sharding_constraint(t, dm, pls)
+        return _pin_in_program("mark_sharding", t, mesh, partition_spec)
+    dm, pls = _resolve(mesh, partition_spec, tuple(t.shape))
     if isinstance(t, DTensor):
         return t.redistribute(dm, pls)
     from .plans import validate_placements
@@ -155,17 +176,37 @@ def with_sharding_constraint(t: torch.Tensor, mesh: MeshLike, spec: Sequence[Any
     from .annotations import require_tensor, with_sharding_constraint as constrain
 
     require_tensor("with_sharding_constraint", t)
-    dm, pls = _resolve(mesh, spec, t.ndim)
+    if torch.compiler.is_compiling():
+        return _pin_in_program("with_sharding_constraint", t, mesh, spec)
+    dm, pls = _resolve(mesh, spec, tuple(t.shape))
     return constrain(t, dm, pls)
+
+
+def _pin_in_program(what: str, t: torch.Tensor, mesh: MeshLike, spec) -> torch.Tensor:
+    """A pin traced by Dynamo: a bad partition spec is carried to the backend in the
+    constraint node, which raises it naming the user's line (``annotations.PIN_ERROR``)."""
+    from .annotations import PIN_ERROR, mesh_key, sharding_constraint
+    from .annotations import with_sharding_constraint as constrain
+
+    dm = as_device_mesh(mesh)
+    if spec and all(isinstance(p, Placement) for p in spec):
+        return constrain(t, dm, tuple(spec))
+    problem = spec_problem(dm, spec, t.ndim, tuple(t.shape))
+    if problem is not None:
+        return sharding_constraint(t, f"{mesh_key(dm)}|{PIN_ERROR}{what}: {problem}")
+    return constrain(t, dm, partition_spec_to_placements(dm, spec, t.ndim))
 
 
 def enable_manual_sharding(t: torch.Tensor, partition_spec: Sequence[Any], *,
                            mesh: MeshLike = None) -> torch.Tensor:
     """GLOBAL ``t`` -> this rank's LOCAL piece under ``partition_spec`` (GSPMD full-to-shard).
     Code on the result is local code: it runs as written on every rank, collectives included.
-    Pair with ``disable_manual_sharding``. Raises ValueError on a bad spec; under compile,
-    DistCompileError when the split is uneven."""
-    dm, pls = _resolve(mesh, partition_spec, t.ndim)
+    Pair with ``disable_manual_sharding``. Raises TypeError for a non-tensor, ValueError on a
+    bad spec; under compile, DistCompileError when the split is uneven."""
+    from .annotations import require_tensor
+
+    require_tensor("enable_manual_sharding", t)
+    dm, pls = _resolve(mesh, partition_spec, tuple(t.shape))
     if not isinstance(t, DTensor):
         t = DTensor.from_local(t, dm, [Replicate()] * dm.ndim, run_check=False)
     return t.redistribute(dm, pls).to_local()
@@ -182,7 +223,7 @@ def disable_manual_sharding(t: torch.Tensor, partition_spec: Sequence[Any],
     from .annotations import require_tensor
 
     require_tensor("disable_manual_sharding", t)
-    dm, pls = _resolve(mesh, partition_spec, len(full_shape))
+    dm, pls = _resolve(mesh, partition_spec, tuple(full_shape))
     _check_piece(tuple(t.shape), tuple(int(s) for s in full_shape), dm, pls)
     return DTensor.from_local(t, dm, pls, run_check=False, shape=torch.Size(full_shape),
                               stride=contiguous_strides(full_shape))
@@ -244,7 +285,7 @@ def local_map(out_specs: Any, in_specs: Sequence[Any], *, mesh: MeshLike = None,
 
 
 def _global_shape(local: torch.Tensor, mesh: DeviceMesh, spec) -> list[int]:
-    _, pls = _resolve(mesh, spec, local.ndim)
+    _, pls = _resolve(mesh, spec, tuple(local.shape))
     shape = list(local.shape)
     for axis, p in enumerate(pls):
         if is_split(p):

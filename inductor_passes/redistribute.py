@@ -41,7 +41,8 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .sharding.placements import Placements, is_split, is_strided, shard_range, split_factor
+from .sharding.placements import (Placements, is_split, is_strided, local_shape, shard_range,
+                                  split_factor)
 
 c10d = torch.ops._c10d_functional
 
@@ -199,22 +200,46 @@ def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[A
     """Move local tensor ``x`` from ``src`` to ``dst`` placements (both one entry per mesh axis).
     ``shape``: the value's GLOBAL shape.
 
-    Order: (1) axes that end Replicate/Partial are gathered or reduced, last axis first;
-    (2) Shard->Shard and Partial->Shard moves (all_to_all, reduce_scatter), unless the target
-    tensor dim is still split by another axis (a nested split would concatenate shards in the
-    wrong order), in which case that axis is gathered/reduced instead; (3) local slices.
+    A tensor dim split by several mesh axes (``[Shard(0), Shard(0)]``) is nested in mesh-axis
+    order, as DTensor lays it out: the first axis splits the dim, each later one splits the piece
+    the earlier ones left (torch.chunk at every level). Every step below acts on the INNERMOST
+    split of a dim only (the last mesh axis splitting it), on the piece the outer axes leave
+    ("level" size), so any pair of placements redistributes exactly; a step that would reach an
+    outer split first gathers the inner ones, which the last phase slices again.
+
+    Order: (1) axes that end Replicate/Partial, or go to another layout of the same dim, are
+    gathered or reduced, last axis first; (2) Shard->Shard and Partial->Shard moves
+    (all_to_all, reduce_scatter), outer axes first, each once the axes after it no longer split
+    the dims it touches (if none is ready, the inner splits in the way are gathered); (3) local
+    slices, first axis first.
     """
     if src == dst:
         return x
     cur = list(src)
+    mesh_shape = [ax.size for ax in axes]
+    coord = [ax.coordinate for ax in axes]
+
+    def inner(i: int, dim: int) -> list[int]:
+        """Axes after ``i`` that split ``dim`` now (nested inside axis i's split)."""
+        return [j for j in range(i + 1, len(axes)) if is_split(cur[j]) and cur[j].dim == dim]
+
+    def level(i: int, dim: int) -> int:
+        """Size of ``dim`` across axis i's group: what the outer axes leave of it (the same on
+        every rank of the group, which shares their coordinates)."""
+        outer = tuple(p if j != i else Replicate() for j, p in enumerate(cur))
+        return local_shape(shape, outer, mesh_shape, coord)[dim]
 
     def to_replicate(i: int) -> None:
         nonlocal x
         s = cur[i]
-        if type(s) is Shard:
-            x = all_gather(x, s.dim, axes[i], record, shape[s.dim])
-        elif is_strided(s):
-            x = gather_strided(x, s.dim, split_factor(s), axes[i], record, shape[s.dim])
+        if is_split(s):
+            for j in reversed(inner(i, s.dim)):
+                to_replicate(j)
+            size = level(i, s.dim)
+            if type(s) is Shard:
+                x = all_gather(x, s.dim, axes[i], record, size)
+            else:
+                x = gather_strided(x, s.dim, split_factor(s), axes[i], record, size)
         else:
             x = all_reduce(x, s.reduce_op, axes[i], record)
         cur[i] = Replicate()
@@ -229,35 +254,52 @@ def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[A
                                    (not is_split(s) and s.reduce_op in ("sum", "avg")))
         if not movable:
             to_replicate(i)
-    for i in reversed(range(len(axes))):
+    pending = [i for i in range(len(axes)) if cur[i] != dst[i] and type(cur[i]) is not Replicate]
+
+    def ready(i: int) -> bool:
         s, d = cur[i], dst[i]
-        if s == d or type(s) is Replicate:
+        if inner(i, d.dim) or (is_split(s) and inner(i, s.dim)):
+            return False
+        # a _StridedShard never nests with another split of its dim (the all_to_all's reorder
+        # needs the whole dim): such a move waits, or goes through Replicate
+        others = [p for j, p in enumerate(cur) if j != i and is_split(p) and p.dim == d.dim]
+        return not others or (type(d) is Shard and not any(is_strided(p) for p in others))
+
+    while pending:
+        now = [i for i in pending if ready(i)]
+        i = min(now or pending)
+        if not now:  # gather the inner splits in the way (sliced again in phase 3): cheaper
+            s, d = cur[i], dst[i]  # than gathering axis i, whose re-slice would need them too
+            for j in sorted({*inner(i, d.dim), *(inner(i, s.dim) if is_split(s) else ())},
+                            reverse=True):
+                if is_split(cur[j]):
+                    to_replicate(j)
+            if not ready(i):
+                to_replicate(i)  # sliced in phase 3
+        pending = [j for j in pending if j != i and type(cur[j]) is not Replicate]
+        if type(cur[i]) is Replicate:
             continue
-        nested = any(j != i and is_split(cur[j]) and cur[j].dim == d.dim
-                     for j in range(len(axes)))
-        ax = axes[i]
-        if nested:
-            to_replicate(i)
-        elif is_split(s):
+        s, d, ax = cur[i], dst[i], axes[i]
+        if is_split(s):
             if is_strided(d):  # the target dim, whole here, to rank-major
                 x = _reorder(x, d.dim, split_factor(d), ax.size)
-            x = all_to_all(x, s.dim, d.dim, ax, record, shape[s.dim])
+            x = all_to_all(x, s.dim, d.dim, ax, record, level(i, s.dim))
             if is_strided(s):  # received rank by rank: back to block-major
                 x = _reorder(x, s.dim, ax.size, split_factor(s))
-            cur[i] = d
         else:
             if is_strided(d):
                 x = _reorder(x, d.dim, split_factor(d), ax.size)
             x = reduce_scatter(x, s.reduce_op, d.dim, ax, record)
-            cur[i] = d
+        cur[i] = d
     for i, ax in enumerate(axes):
-        s, d = cur[i], dst[i]
-        if s == d:
+        d = dst[i]
+        if cur[i] == d:
             continue
-        if type(d) is Shard:
-            x = local_slice(x, d.dim, ax)
-        elif is_strided(d):
-            x = slice_strided(x, d.dim, split_factor(d), ax)
+        if is_split(d):
+            for j in reversed(inner(i, d.dim)):
+                to_replicate(j)  # sliced again below, inside this axis's piece
+            x = local_slice(x, d.dim, ax) if type(d) is Shard else \
+                slice_strided(x, d.dim, split_factor(d), ax)
         elif isinstance(d, Partial):
             x = to_partial(x, d.reduce_op, ax)
         cur[i] = d

@@ -2,6 +2,8 @@ import torch
 from hypothesis import given, strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from dynamo_dist._compat import StridedShard
+
 from inductor_passes.sharding.cost import redistribute_cost
 from inductor_passes.sharding.placements import fmt, local_shape, parse, shard_range, valid_for
 
@@ -17,7 +19,10 @@ def test_fmt_parse_roundtrip(pls):
 def test_valid_for_rejects_nested_and_out_of_range():
     assert valid_for((8, 6), (Shard(0), Shard(1)), (2, 3))
     assert valid_for((8, 6), (Shard(1),), (4,))                # uneven: pieces 2, 2, 2, 0
-    assert not valid_for((8, 6), (Shard(0), Shard(0)), (2, 2))  # nested
+    assert not valid_for((8, 6), (Shard(0), Shard(0)), (2, 2))  # nested: not for op rules
+    assert valid_for((8, 6), (Shard(0), Shard(0)), (2, 2), nested=True)  # a pin may nest
+    assert not valid_for((8, 6), (StridedShard(0, split_factor=2), Shard(0)), (2, 2),
+                         nested=True)                           # never with _StridedShard
     assert not valid_for((8, 6), (Shard(2),), (2,))             # no dim 2
 
 

@@ -118,7 +118,8 @@ def test_partition_spec_errors(fake_mesh):
         partition_spec_to_placements(dm, (("tp", "dp"), None), 2)
     with pytest.raises(ValueError, match="unknown mesh axis 'sp'"):
         partition_spec_to_placements(dm, ("sp", None), 2)
-    with pytest.raises(ValueError, match="2 entries for a 3-D tensor"):
+    with pytest.raises(ValueError, match=r"for a 3-D tensor on mesh axes \['dp', 'tp'\]: 2 entries; "
+                                         r"fix: give one entry per tensor dim"):
         partition_spec_to_placements(dm, ("dp", None), 3)
     with pytest.raises(ValueError, match="Partial on mesh axis 0"):
         placements_to_partition_spec(dm, (Partial(), Replicate()), 2)

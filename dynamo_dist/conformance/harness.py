@@ -83,8 +83,10 @@ def _flat_tensors(sample) -> tuple[list[torch.Tensor], Any]:
 
 def placement_options(shapes: Sequence[tuple[int, ...]], dtypes, mesh_shape: Sequence[int],
                       max_cases: int = 12) -> list[tuple[tuple[Placement, ...], ...]]:
-    """Input placement sets: one input at a time Shard(d) / Partial (others Replicate), and every
-    input on the same Shard(d) where all have dim d. Uneven splits are included on purpose."""
+    """Input placement sets: one input at a time Shard(d) / Partial (others Replicate), on a 2-D
+    mesh also [Shard(0), Shard(last)] and [Shard(0), Shard(0)] (dim 0 split by both mesh axes,
+    nested), and every input on the same Shard(d) where all have dim d. Uneven splits are
+    included on purpose."""
     nd = len(mesh_shape)
     rep = tuple(Replicate() for _ in range(nd))
     out: list[tuple[tuple[Placement, ...], ...]] = []
@@ -101,6 +103,9 @@ def placement_options(shapes: Sequence[tuple[int, ...]], dtypes, mesh_shape: Seq
                 last = len(shape) - 1
                 two = (Shard(0), Shard(last)) if last != 0 else (Shard(0), Replicate())
                 add(tuple(two if k == i else rep for k in range(len(shapes))))
+                if d == 0:  # both mesh axes on one dim, nested (issue 14)
+                    add(tuple((Shard(0), Shard(0)) if k == i else rep
+                              for k in range(len(shapes))))
         if dtype.is_floating_point:
             add(tuple((Partial(),) + rep[1:] if k == i else rep for k in range(len(shapes))))
     ndims = {len(s) for s in shapes}

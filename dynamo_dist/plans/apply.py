@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, distribute_tensor
-from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from inductor_passes.sharding.placements import is_strided
 
@@ -114,12 +114,17 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
     Buffers stay plain tensors (global values). Inputs named in ``plan.input_plan`` get a
     sharding constraint each call.
 
-    Raises DistCompileError for a placement that cannot apply, a plan entry that matches no
+    Raises TypeError when ``model`` is not an nn.Module; DistCompileError for a placement that
+    cannot apply (Partial included), a plan entry that matches no
     parameter, an input key forward does not take, or a tied parameter whose names the plan
     gives different placements.
     """
     from ..annotations import register_data_axes
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard_module: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}; fix: wrap the function in an nn.Module, or "
+                        f"annotate its tensors with mark_sharding / distribute_tensor")
     check_plan_keys(model, plan)
     check_input_keys(model, plan)
     _compat.allow_implicit_replication(True)
@@ -130,6 +135,13 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
         # (an uneven split is fine: torch.chunk's pieces, as DTensor's; the compiler pads them
         # where a collective needs equal sizes)
         validate_placements(f"parameter '{names[0]}'", tuple(param.shape), mesh, placements)
+        if any(isinstance(p, Partial) for p in placements):
+            raise DistCompileError(
+                f"parameter '{names[0]}': a parameter cannot be Partial (a pending reduction: "
+                f"each rank would hold and update a share of it)", shapes=[tuple(param.shape)],
+                mesh=describe_mesh(mesh), placements=list(placements),
+                fix="give parameters Shard(d) or Replicate(); a gradient's pending sum is "
+                    "planned by the compiler")
         if isinstance(param, DTensor):
             if param.device_mesh != mesh:
                 raise DistCompileError(f"parameter '{names[0]}' is already a DTensor on another "

@@ -70,11 +70,12 @@ PARTIAL_OPS = ("sum", "avg", "max", "min")
 
 
 def validate_placements(what: str, shape: Sequence[int], mesh: DeviceMesh,
-                        placements: Sequence[Placement]) -> None:
-    """Raise DistCompileError unless ``placements`` can apply to a tensor of GLOBAL ``shape``."""
+                        placements: Sequence[Placement], source: str | None = None) -> None:
+    """Raise DistCompileError unless ``placements`` can apply to a tensor of GLOBAL ``shape``
+    (``source``: the user's line, for a pin inside a compiled program)."""
     def fail(why: str, fix: str):
-        raise DistCompileError(f"{what}: {why}", shapes=[shape], mesh=describe_mesh(mesh),
-                               placements=list(placements), fix=fix)
+        raise DistCompileError(f"{what}: {why}", source=source, shapes=[shape],
+                               mesh=describe_mesh(mesh), placements=list(placements), fix=fix)
 
     if len(placements) != mesh.ndim:
         fail(f"{len(placements)} placements for a {mesh.ndim}-axis mesh",
@@ -133,28 +134,6 @@ def refuse_strided_nesting(what: str, shape: Sequence[int], mesh: DeviceMesh,
                 shapes=[shape], mesh=describe_mesh(mesh), placements=list(placements),
                 fix="split that dim on one mesh axis only (another dim on the other), or pin "
                     "Replicate on one of them")
-
-
-def refuse_nested_splits(what: str, shape: Sequence[int], mesh: DeviceMesh,
-                         placements: Sequence[Placement], source: str | None = None) -> None:
-    """Raise DistCompileError when a tensor dim is split by two or more mesh axes
-    (``[Shard(0), Shard(0)]``, the partition spec ``(("dp", "tp"), None)``) for a value pinned
-    INSIDE a compiled program. The planner's rules and lowering hold one split per dim; such a
-    pin was planned as if each axis split the whole dim and computed wrong numbers (softmax,
-    cat, a matmul over [S(1), S(1)]). An input in that layout is fine: it is gathered on the
-    extra axes at the program boundary, with the cost logged."""
-    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
-    for dim, axes in _split_axes_by_dim(shape, placements).items():
-        if len(axes) > 1:
-            raise DistCompileError(
-                f"{what}: tensor dim {dim} is split by mesh axes "
-                f"{', '.join(repr(names[a]) for a in axes)} (nested sharding), which is not "
-                f"planned inside a compiled program yet", source=source, shapes=[shape],
-                mesh=describe_mesh(mesh), placements=list(placements),
-                fix=f"split dim {dim} on one mesh axis only (another dim, or Replicate, on the "
-                    f"other); or reshape it into two dims and shard each on one axis; or "
-                    f"annotate the input before the compiled call (mark_sharding on the tensor), "
-                    f"where it is gathered on the extra axes at the boundary")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -31,6 +31,14 @@ class ShardingPlanner:
                    example_inputs: Any = None) -> ShardingPlan:
         raise NotImplementedError
 
+    def __post_init__(self) -> None:
+        axis = getattr(self, "axis", "")
+        if not isinstance(axis, str):  # TensorParallelPlanner(mesh) reads as the axis name
+            raise TypeError(f"{type(self).__name__}: axis must be a mesh axis name, got "
+                            f"{type(axis).__name__} ({axis!r:.80}); fix: "
+                            f"{type(self).__name__}(axis=\"tp\"), and pass the mesh to "
+                            f"shard_module")
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallelPlanner(ShardingPlanner):

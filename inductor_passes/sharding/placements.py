@@ -14,6 +14,12 @@ meaning is DTensor's (``placement_types._StridedShard._split_tensor``) for a dim
 mesh axis splits. We hold it only when D is a multiple of k n (every piece the same size) and no
 other mesh axis splits dim d (DTensor's nested right-to-left use of it, FSDP2 over TP, is not
 planned: such inputs are gathered at the program boundary, see ``plannable``).
+
+Nested splits: several mesh axes may ``Shard`` one tensor dim (``[Shard(0), Shard(0)]``, the
+partition spec ``(("dp", "tp"), None)``), in mesh-axis order as DTensor lays it out: the first
+axis chunks the dim, each later one chunks the piece the earlier ones left (``local_shape``).
+Values the user pins may hold them; op rules are not offered them (``valid_for``), so values in
+such a layout are redistributed (exactly, ``redistribute``) before an op computes on them.
 """
 
 from __future__ import annotations
@@ -115,18 +121,26 @@ def normalize(placements: Sequence[Placement], ndim: int) -> Placements:
     return tuple(out)
 
 
-def valid_for(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
-    """Placements a value can hold: plain types, dims in range, no tensor dim cut by two mesh
-    axes (nested sharding is not lowered yet). Uneven Shard splits are valid (chunk semantics,
-    see ``shard_range``); ``rules.op_strategy`` decides which ops may compute on them. A
-    _StridedShard(d, k) on a mesh axis of size n is valid only when shape[d] is a multiple of
-    k * n (blocks split evenly: every rank holds D/n)."""
+def valid_for(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int],
+              nested: bool = False) -> bool:
+    """Placements a value can hold: plain types, dims in range. Uneven Shard splits are valid
+    (chunk semantics, see ``shard_range``); ``rules.op_strategy`` decides which ops may compute
+    on them. A _StridedShard(d, k) on a mesh axis of size n is valid only when shape[d] is a
+    multiple of k * n (blocks split evenly: every rank holds D/n).
+
+    ``nested``: whether one tensor dim may be split by several mesh axes (Shard only, nested in
+    mesh-axis order, see ``local_shape``). Values the user pins (inputs, constraints) may;
+    op rules, which are written for one split per dim, are not offered such placements."""
     seen: set[int] = set()
     for axis, p in enumerate(placements):
         if not is_plain(p):
             return False
         if type(p) is Shard or type(p) is StridedShard:
-            if not 0 <= p.dim < len(shape) or p.dim in seen:
+            if not 0 <= p.dim < len(shape):
+                return False
+            if p.dim in seen and not (nested and type(p) is Shard and
+                                      not any(is_strided(q) and q.dim == p.dim
+                                              for q in placements)):
                 return False
             if type(p) is StridedShard and shape[p.dim] % (p.split_factor * mesh_shape[axis]):
                 return False
@@ -151,18 +165,23 @@ def is_uneven(shape: Sequence[int], placements: Placements, mesh_shape: Sequence
 def plannable(shape: Sequence[int], placements: Placements,
               mesh_shape: Sequence[int]) -> tuple[Placements, list[str]]:
     """``placements`` with every mesh axis the planner cannot hold replaced by Replicate, and
-    why: a tensor dim split by two mesh axes, or an unsupported placement type. Inputs in such placements are redistributed (by
-    DTensor, exactly) at the program boundary, and the caller logs the cost."""
+    why: an unsupported placement type, a _StridedShard that does not split its dim evenly, or
+    one nested with another split of its dim (DTensor's right-to-left FSDP2-over-TP layout).
+    Nested Shard splits (``[Shard(0), Shard(0)]``) are held. Inputs in other placements are
+    redistributed (by DTensor, exactly) at the program boundary, and the caller logs the cost."""
     out, why, seen = list(placements), [], set()
+    strided_dims = {p.dim for p in placements if is_strided(p)}
     for axis, p in enumerate(placements):
         if not is_plain(p):
             why.append(f"mesh axis {axis}: {p!r} is not supported")
-        elif is_split(p) and p.dim in seen:
-            why.append(f"mesh axis {axis}: dim {p.dim} is already split by another mesh axis")
-        elif type(p) is StridedShard and (not 0 <= p.dim < len(shape) or
+        elif is_split(p) and p.dim in seen and (type(p) is StridedShard or p.dim in strided_dims):
+            why.append(f"mesh axis {axis}: dim {p.dim} is already split by another mesh axis "
+                       f"and one of the splits is block-strided")
+        elif type(p) is StridedShard and (not 0 <= p.dim < len(shape) or p.dim in seen or
                                           shape[p.dim] % (p.split_factor * mesh_shape[axis])):
             why.append(f"mesh axis {axis}: {p!r} needs dim {p.dim} to be a multiple of "
-                       f"split_factor x mesh axis size = {p.split_factor * mesh_shape[axis]}")
+                       f"split_factor x mesh axis size = {p.split_factor * mesh_shape[axis]}"
+                       + (" and split by no other mesh axis" if p.dim in seen else ""))
         else:
             if is_split(p):
                 seen.add(p.dim)

@@ -11,7 +11,6 @@ the backward was compiled fullgraph), and Inductor's code for it issues them. Pr
 ``CA DDP OK ...`` on rank 0; exits non-zero on a mismatch."""
 
 import copy
-import sys
 
 import torch
 import torch.distributed as dist
@@ -117,4 +116,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mp_exit import finish
+
+    finish(main() or 0)

@@ -5,7 +5,6 @@ a replicated DTensor whose local tensors differ is caught too. Without the varia
 mismatch runs unchecked (documented: the check is opt-in). Prints "CONTRACT OK rank <r>"."""
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -48,4 +47,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mp_exit import finish
+
+    finish(main() or 0)

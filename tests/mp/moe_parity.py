@@ -6,7 +6,6 @@ after a few AdamW steps (1e-3: AdamW divides rounding-level gradients by their o
 
 import argparse
 import copy
-import sys
 
 import torch
 import torch.distributed as dist
@@ -80,4 +79,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mp_exit import finish
+
+    finish(main() or 0)

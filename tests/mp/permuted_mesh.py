@@ -6,7 +6,6 @@ axis's group rank k, which is not the mesh coordinate there (torch orders a grou
 ascending): lowering by coordinate gathered pieces in the wrong order. Prints
 "PERMUTED OK <layout> rank <r> coord <c>"."""
 
-import sys
 
 import torch
 import torch.distributed as dist
@@ -58,4 +57,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mp_exit import finish
+
+    finish(main() or 0)

@@ -5,7 +5,6 @@ another op per rank is refused on every rank (the planning rank's plan does not 
 "DIVERGENCE CAUGHT rank <r>" and "OTHER PROGRAM CAUGHT rank <r>"; exits non-zero otherwise."""
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -79,4 +78,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mp_exit import finish
+
+    finish(main() or 0)

@@ -5,7 +5,6 @@ blocking in the plan hand-off or the schedule check. Prints "FAULT <stage> rank 
 <message head>" per rank and stage; exits non-zero on a rank that compiled or hung."""
 
 import os
-import sys
 import time
 
 import torch
@@ -71,4 +70,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mp_exit import finish
+
+    finish(main() or 0)

@@ -1,10 +1,10 @@
 """Under torchrun (gloo, 4 ranks, 2x2 mesh): every placement pair our lowering emits, checked
 against the global value, for an evenly split tensor and an unevenly split one (pieces of 2 and
 1, 3 and 2, 1 and 0), and every pair with a block-strided placement (_StridedShard) on either
-side. Exits non-zero on the first mismatch."""
+side; pairs where a tensor dim is split by both mesh axes (nested, [S(0), S(0)]) included.
+Exits non-zero on the first mismatch."""
 
 import itertools
-import sys
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,8 @@ def main() -> int:
               for dst in itertools.product(strided[:4], repeat=2)
               if any(isinstance(p, StridedShard) for p in (*src, *dst))]
     for full, src, dst in cases:
-        if not (valid_for(full.shape, src, (2, 2)) and valid_for(full.shape, dst, (2, 2))):
+        if not (valid_for(full.shape, src, (2, 2), nested=True) and
+                valid_for(full.shape, dst, (2, 2), nested=True)):
             continue
         got = redistribute(local_of(full, src, mesh, axes), src, dst, axes, lambda *a: None,
                            full.shape)
@@ -72,4 +73,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mp_exit import finish
+
+    finish(main() or 0)

@@ -157,4 +157,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mp_exit import finish
+
+    finish(main() or 0)

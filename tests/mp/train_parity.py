@@ -4,7 +4,6 @@ the final gradients/parameters with a single-process reference. Exits non-zero o
 import argparse
 import contextlib
 import copy
-import sys
 
 import torch
 import torch.distributed as dist
@@ -189,4 +188,6 @@ def train_cnn(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mp_exit import finish
+
+    finish(main() or 0)
