@@ -56,12 +56,17 @@ def _collective(target, args_by_rank: dict, groups: Groups) -> dict:
         elif target is c10d.all_reduce.default:
             op = args[1]
             stacked = torch.stack(peers)
+            if stacked.dtype is torch.complex32:  # CPU has no reduction kernels for it
+                stacked = stacked.to(torch.complex64)
             reduced = {"sum": stacked.sum, "avg": stacked.mean, "max": stacked.amax,
                        "min": stacked.amin}[op](0)
-            out[coord] = reduced.to(stacked.dtype)  # a collective keeps its dtype (sum of ints
-            #                                         promotes to int64 in torch)
+            out[coord] = reduced.to(peers[0].dtype)  # a collective keeps its dtype (sum of
+            #                                          ints promotes to int64 in torch)
         elif target is c10d.reduce_scatter_tensor.default:
-            total = torch.stack(peers).sum(0) if args[1] == "sum" else torch.stack(peers).mean(0)
+            stacked = torch.stack(peers)
+            if stacked.dtype is torch.complex32:
+                stacked = stacked.to(torch.complex64)
+            total = stacked.sum(0) if args[1] == "sum" else stacked.mean(0)
             out[coord] = total.chunk(len(peers), dim=0)[k].to(peers[0].dtype).contiguous()
         else:  # all_to_all_single(x, output_split_sizes, input_split_sizes, group)
             splits = [list(p.split(args_by_rank[m][2] or [p.shape[0] // len(peers)] * len(peers)))

@@ -542,3 +542,11 @@ def test_heads_merged_into_the_batch_stay_split(fake_mesh):
     want_of = dict(zip(["x", *names], want_grads))
     for k, g in zip(by_input, grads):
         torch.testing.assert_close(g, want_of[k or "x"], rtol=1e-4, atol=1e-5, msg=str(k))
+
+
+def test_cost_walk_through_a_strided_state_lowering_never_holds():
+    """[S(0), S(1)] -> [S(1), SS(0, 2)] on (4, 8): the cost walk passes [S(0), SS(0, 2)], which
+    local_shape refuses (the 2-row piece does not split in 2 blocks of 2); pricing raised a
+    ValueError from the planner (nn.functional.multi_head_attention_forward crashed on 2x2)."""
+    cost = redistribute_cost((4, 8), torch.float32, (S0, S1), (S1, SS(0, 2)), (2, 2))
+    assert cost > redistribute_cost((4, 8), torch.float32, (S0, S1), (S1, S0), (2, 2)) * 0.5

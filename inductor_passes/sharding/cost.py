@@ -41,6 +41,21 @@ def axis_weights(mesh) -> tuple[float, ...]:
     return _AXIS_WEIGHTS.get(mesh, (1.0,) * mesh.ndim)
 
 
+def _walk_shape(shape: Sequence[int], cur: list, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """The largest local piece in a state the cost walk passes through. The walk moves one axis
+    at a time, so it can pass a state lowering never holds (a _StridedShard nested with another
+    split of its dim: lowering goes through Replicate there), which ``local_shape`` refuses;
+    every split is then priced as a ceil division."""
+    try:
+        return local_shape(shape, tuple(cur), mesh_shape)
+    except ValueError:
+        out = list(shape)
+        for axis, p in enumerate(cur):
+            if is_split(p):
+                out[p.dim] = -(-out[p.dim] // mesh_shape[axis])
+        return tuple(out)
+
+
 def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements,
                       mesh_shape: Sequence[int], greedy: bool = False,
                       weights: Sequence[float] | None = None) -> float:
@@ -61,7 +76,7 @@ def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements,
         s, d, n = cur[axis], dst[axis], mesh_shape[axis]
         if s == d or type(s) is Replicate:
             continue
-        local = nbytes(local_shape(shape, tuple(cur), mesh_shape), dtype)
+        local = nbytes(_walk_shape(shape, cur, mesh_shape), dtype)
         before = cost
         if is_split(s) and is_split(d) and s.dim == d.dim:
             # one dim in two layouts (Shard <-> _StridedShard, or two split factors): lowered
