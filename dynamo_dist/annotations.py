@@ -110,7 +110,7 @@ def with_sharding_constraint(t: torch.Tensor, mesh: DeviceMesh,
     if torch.compiler.is_compiling():
         # Dynamo cannot trace the raise of our error (fullgraph=True turned it into "Attempted
         # to call a super() attribute"): the backend checks the placements as written
-        # (``checked_constraint``), naming the user's line
+        # (``backend._constraints`` calls ``checked_placements``), naming the user's line
         return sharding_constraint(t, encode_spec(mesh, tuple(placements)))
     return sharding_constraint(t, encode_spec(mesh, checked_placements(
         "with_sharding_constraint", tuple(t.shape), mesh, tuple(placements))))

@@ -28,7 +28,8 @@ from inductor_passes.sharding.propagate import Plan, propagate
 
 from . import _compat, agreement, compiled_autograd, plan_cache
 from .agreement import plan_once
-from .annotations import CONSTRAINT_OP, PIN_ERROR, data_axes, mesh_from_key
+from .annotations import (CONSTRAINT_OP, PIN_ERROR, checked_placements, data_axes, encode_spec,
+                          mesh_from_key)
 from .capture import JointProgram, planned_input_placements, trace_joint
 from .divergence import check_same_schedule
 from .errors import DistCompileError, user_source
@@ -155,8 +156,6 @@ def _constraints(gm: fx.GraphModule):
     """Sharding-constraint node -> (mesh key, placements), each validated here as the user wrote
     it inside the program (``annotations.checked_placements``; Dynamo cannot trace our raise)
     and rewritten normalised. Raises DistCompileError naming the user's line."""
-    from .annotations import checked_placements, encode_spec
-
     found = {}
     for node in gm.graph.find_nodes(op="call_function", target=CONSTRAINT_OP):
         key, _, text = node.args[1].partition("|")

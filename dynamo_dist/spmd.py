@@ -59,9 +59,10 @@ def spec_problem(mesh: DeviceMesh, partition_spec: Sequence[Any], ndim: int,
     used: set[int] = set()
     for d, entry in enumerate(spec):
         entries = entry if isinstance(entry, (tuple, list)) else (entry,)
-        axes = [_axis(mesh, a) for a in entries if a is not None]
+        named = [a for a in entries if a is not None]
+        axes = [_axis(mesh, a) for a in named]
         if None in axes:
-            bad = next(a for a in entries if a is not None and _axis(mesh, a) is None)
+            bad = named[axes.index(None)]
             return (f"{where}: unknown mesh axis {bad!r}; fix: name one of {axes_of} (or give "
                     f"placements, one Shard / Replicate / Partial per mesh axis)")
         if axes != sorted(axes):
@@ -103,7 +104,8 @@ def placements_to_partition_spec(mesh: MeshLike, placements: Sequence[Placement]
     for axis, p in enumerate(placements):
         if isinstance(p, Partial):
             raise ValueError(f"placements {list(placements)}: Partial on mesh axis {axis} has no "
-                             f"partition-spec form; fix: reduce it first (redistribute to Replicate)")
+                             f"partition-spec form; fix: reduce it first (redistribute to "
+                             f"Replicate)")
         if is_strided(p):
             raise ValueError(f"placements {list(placements)}: {p!r} on mesh axis {axis} (block-"
                              f"strided) has no partition-spec form; fix: use the placements as "
