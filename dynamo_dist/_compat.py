@@ -815,6 +815,36 @@ def functorch_config_patch(**entries) -> contextlib.AbstractContextManager:
     return config.patch(**{k: v for k, v in entries.items() if hasattr(config, k)})
 
 
+def dynamo_static_shapes() -> tuple[contextlib.AbstractContextManager, bool]:
+    """(a context in which Dynamo specialises every size and never turns one symbolic, whether
+    the caller had asked for dynamic shapes: ``dynamic=True``). The settings are the ones
+    ``torch.compile(dynamic=False)`` patches (checked on torch 2.11 and 2.13)."""
+    from torch._dynamo import config
+
+    asked = not config.assume_static_by_default
+    return config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), asked
+
+
+def install_backend_ctx_with_options() -> None:
+    """``torch.compile(backend=..., options=...)`` wraps the backend in ``_TorchCompileWrapper``,
+    which hides the backend's ``backend_ctx_ctor`` from Dynamo (without options Dynamo finds
+    it). Forward it for backends marked ``_dynamo_dist_backend`` only; others are unchanged.
+    Idempotent (checked on torch 2.11 and 2.13)."""
+    cls = torch._TorchCompileWrapper
+    if getattr(cls, "_dynamo_dist_ctx", False):
+        return
+    original = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        fn = self.compiler_fn
+        if getattr(fn, "_dynamo_dist_backend", False) and hasattr(fn, "backend_ctx_ctor"):
+            self.backend_ctx_ctor = fn.backend_ctx_ctor
+
+    cls.__init__ = __init__
+    cls._dynamo_dist_ctx = True
+
+
 def reported_output_strides():
     """Context manager yielding the list Inductor fills, on leaving ``compile_fx_inner``, with the
     strides its compiled graph gives each output (None where unknown). Layout optimisation (a

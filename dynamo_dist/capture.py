@@ -161,7 +161,15 @@ class _GlobalInterpreter(fx.Interpreter):
         self.manual_nodes: set[str] = set()  # Dynamo nodes whose value is a local tensor
         self.manual_inputs: set[int] = set()  # tensor inputs that from_local reads as local
         self._manual: dict[int, torch.Tensor] = {}  # id -> tensor (kept alive: ids stay unique)
+        self._known_alive: list[torch.Tensor] = []
         self._node: fx.Node | None = None
+
+    def _know(self, t: torch.Tensor, mesh, placements) -> None:
+        """Record ``t``'s placement, keeping ``t`` alive: the interpreter frees a value after
+        its last use, and a later tensor given the same id would read this placement (seen as a
+        capture failure on one rank only, at a different layer each run)."""
+        self.known[id(t)] = (mesh, placements)
+        self._known_alive.append(t)
 
     def run_node(self, n: fx.Node):
         self._node = n
@@ -238,7 +246,7 @@ class _GlobalInterpreter(fx.Interpreter):
                         tuple(Replicate() for _ in range(mesh.ndim)), x.ndim)
         if id(x) not in self._manual:
             if all(isinstance(p, Replicate) for p in pls):
-                self.known[id(x)] = (mesh, pls)  # a global value is its own replicated local
+                self._know(x, mesh, pls)  # a global value is its own replicated local
                 return x
             if id(x) not in self.inputs:
                 raise DistCompileError(
@@ -258,7 +266,7 @@ class _GlobalInterpreter(fx.Interpreter):
 
         refuse_strided_nesting("DTensor.from_local", tuple(shape), mesh, pls, user_source(node))
         out = exit_manual(x, encode_spec(mesh, pls), [int(s) for s in shape])
-        self.known[id(out)] = (mesh, pls)
+        self._know(out, mesh, pls)
         return out
 
     def _dtensor_call(self, target, args, kwargs):
@@ -275,7 +283,7 @@ class _GlobalInterpreter(fx.Interpreter):
             if placements is None or mesh is None:
                 return x
             out = with_sharding_constraint(x, mesh, placements)
-            self.known[id(out)] = (mesh, normalize(tuple(placements), x.ndim))
+            self._know(out, mesh, normalize(tuple(placements), x.ndim))
             return out
         if target == "to_local":
             mesh, pls = self.known.get(id(x), (None, None))
@@ -304,7 +312,7 @@ class _GlobalInterpreter(fx.Interpreter):
             self.local_outputs.add(node.name)
         if self.mesh is not None:
             out = with_sharding_constraint(x, self.mesh, [Replicate()] * self.mesh.ndim)
-            self.known[id(out)] = (self.mesh, tuple(Replicate() for _ in range(self.mesh.ndim)))
+            self._know(out, self.mesh, tuple(Replicate() for _ in range(self.mesh.ndim)))
             return out
         return x
 
@@ -322,6 +330,11 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
     place, or when a value's shape depends on tensor data.
     """
     infos = classify_inputs(gm, example_inputs)
+    # Called under no_grad / inference_mode (evaluation, generation, an optimizer step) the
+    # program is forward only: no tangents, no gradients, and parameters may be updated in place.
+    forward_only = not torch.is_grad_enabled()
+    if forward_only:
+        infos = [dataclasses.replace(i, requires_grad=False) for i in infos]
     mesh = find_mesh(infos, example_inputs)
     if mesh is not None:
         from .annotations import mesh_key
@@ -353,7 +366,8 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
         return out
 
     # Forward once on fakes to learn which outputs are differentiable.
-    with fake_mode, torch.enable_grad(), _leaf_mutation_explained(tensor_infos):
+    with fake_mode, torch.set_grad_enabled(not forward_only), \
+            _leaf_mutation_explained(tensor_infos):
         outs = run_forward(*primals)
     flat_outs, out_spec = pytree.tree_flatten(outs)
     diff_outputs = [i for i, o in enumerate(flat_outs)
