@@ -240,16 +240,18 @@ def _dist_tracing() -> bool:
 
 
 def install_dynamo_tracing_fallback() -> None:
-    """Make DTensor's sharding propagation replicate everything while Dynamo traces.
+    """Make DTensor's sharding propagation total while Dynamo traces for ``dist``.
 
     Dynamo builds example values of a program with DTensor inputs by running DTensor's own
-    dispatch on fake tensors. DTensor's per-op choices there are slow (its SDPA decomposition
-    path takes minutes) and fail on cases our compiler handles (a view over a 2-D mesh gives a
-    ``_StridedShard`` that ``bmm`` rejects; local strides that a global view does not allow).
-    The ``dist`` backend ignores those placements -- it re-plans the whole program in global
-    semantics -- and global shapes and dtypes do not depend on placements, so while Dynamo traces
-    for the ``dist`` backend we propagate with every input replicated. Other backends and eager
-    DTensor are unchanged. Idempotent.
+    dispatch on fake tensors, and user Python reads them (``.placements``, ``to_local()``,
+    torchtitan's asserts, ``local_map(..., x.placements)``). So an op DTensor has a strategy
+    for is propagated as DTensor does eagerly, and the program sees the placements it would
+    see without compiling. Where DTensor cannot run the op -- no strategy of its own (SDPA on
+    CPU: its search through the decomposition took ~50 s per call), a strategy that raises, or
+    one that fails later in dispatch (``_redistribution_applies``) -- the op is read with every
+    input replicated, which only needs global shapes and dtypes: the ``dist`` backend re-plans
+    the whole program in global semantics and never uses these placements. Other backends and
+    eager DTensor are unchanged. Idempotent.
     """
     from torch.distributed.tensor.placement_types import Replicate
 
@@ -260,8 +262,13 @@ def install_dynamo_tracing_fallback() -> None:
 
     def replicated(spec):
         if isinstance(spec, DTensorSpec):
+            meta = spec.tensor_meta
+            if meta is not None and not all(p.is_replicate() for p in spec.placements):
+                # gathered, the local tensor is contiguous whatever the global strides were;
+                # the op's output metadata must come from the layout it really runs on
+                meta = TensorMeta(meta.shape, _contiguous_strides(meta.shape), meta.dtype)
             return DTensorSpec(spec.mesh, tuple(Replicate() for _ in spec.placements),
-                               tensor_meta=spec.tensor_meta)
+                               tensor_meta=meta)
         if isinstance(spec, (list, tuple)):
             return type(spec)(replicated(s) for s in spec)
         return spec
@@ -285,6 +292,18 @@ def install_dynamo_tracing_fallback() -> None:
                 return _inplace_keeping_placements(prop, op_schema, replicated, exc)
         if data_dependent(op_schema.op, op_schema.args_schema, op_schema.kwargs_schema):
             raise _data_dependent_error(op_schema)
+        # DTensor's own choice first: user code that reads ``.placements`` (or passes them on,
+        # or to_local()s) while Dynamo traces sees what it would see eagerly, and branches the
+        # same way (torchtitan asserts an output's placements, and local_map reads them)
+        # Only for ops with a strategy of their own: for the others (SDPA on CPU) DTensor
+        # searches strategies through the op's decomposition, which took ~50 s per SDPA.
+        if _has_own_strategy(prop, op_schema.op):
+            try:
+                own = original(op_schema)
+                if _redistribution_applies(own):
+                    return own
+            except Exception:  # noqa: BLE001 -- any failure: the replicated reading below
+                pass
         rep = _replicated_schema(op_schema, replicated)
         state["substituted"] = True
         try:
@@ -338,6 +357,47 @@ def install_dynamo_tracing_fallback() -> None:
     # them and deadlock on its own callback lock
     _keep_callbacks(callback_handler, torch.compiler.disable(fresh),
                     torch.compiler.disable(forget))
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
+def _has_own_strategy(prop, op) -> bool:
+    """Whether DTensor registers a strategy or rule for ``op`` itself (2.11 and 2.13 keep them
+    in these three tables)."""
+    return any(op in getattr(prop, table, {}) for table in
+               ("op_single_dim_strategy_funcs", "op_strategy_funcs", "op_to_rules"))
+
+
+def _redistribution_applies(result) -> bool:
+    """Whether DTensor's own choice can be run while Dynamo traces: its outputs hold plain
+    Shard / Replicate / Partial only (a ``_MaskPartial`` from a vocab-split embedding fails
+    later in dispatch, its mask buffer unset under fakes; a ``_StridedShard`` is rejected by
+    bmm), and every input placement it asks for fits its tensor (2.13's cat strategy asks to
+    split a legacy empty 1-D operand, shape [0], on dim 1). Both failures happen inside
+    dispatch, after propagation returned, where no fallback can catch them."""
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+    plain = (Shard, Replicate, Partial)
+    outs = result.output_spec if isinstance(result.output_spec, (tuple, list)) else \
+        [result.output_spec]
+    if any(isinstance(o, DTensorSpec) and any(type(p) not in plain for p in o.placements)
+           for o in outs):
+        return False
+    schema = result.redistribute_schema
+    if schema is None:
+        return True
+    for spec in _flat_specs(schema):
+        ndim = len(spec.tensor_meta.shape) if spec.tensor_meta is not None else None
+        if ndim is not None and any(p.is_shard() and not -ndim <= p.dim < ndim
+                                    for p in spec.placements):
+            return False
+    return True
 
 
 def _strided_gather_while_tracing() -> None:
@@ -818,7 +878,8 @@ def functorch_config_patch(**entries) -> contextlib.AbstractContextManager:
 def dynamo_static_shapes() -> tuple[contextlib.AbstractContextManager, bool]:
     """(a context in which Dynamo specialises every size and never turns one symbolic, whether
     the caller had asked for dynamic shapes: ``dynamic=True``). The settings are the ones
-    ``torch.compile(dynamic=False)`` patches (checked on torch 2.11 and 2.13)."""
+    ``torch.compile(dynamic=False)`` patches (checked on torch 2.11 and 2.13); a size marked
+    with ``torch._dynamo.mark_dynamic`` stays symbolic."""
     from torch._dynamo import config
 
     asked = not config.assume_static_by_default

@@ -181,6 +181,9 @@ class _GlobalInterpreter(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target is DTensor.from_local:
             return self._from_local(*args, **kwargs)
+        if target is getattr and len(args) == 2 and args[1] in _DTENSOR_METADATA and \
+                isinstance(args[0], torch.Tensor):
+            return self._dtensor_metadata(args[1])
         if target is torch.matmul and not kwargs and wants_matmul_nd(*args):
             return self._local_aware(lambda a, k: matmul_nd(*a), args, kwargs)
         if target is torch.nn.functional.scaled_dot_product_attention and \
@@ -195,6 +198,21 @@ class _GlobalInterpreter(fx.Interpreter):
             return self._dtensor_call(target, args, kwargs)
         return self._local_aware(lambda a, k: super(_GlobalInterpreter, self).call_method(
             target, a, k), args, kwargs)
+
+    def _dtensor_metadata(self, attr: str):
+        """``x.device_mesh`` / ``x.placements`` that Dynamo kept as a graph node (it does when
+        the result flows on, e.g. into ``get_group``): the global value here is a plain tensor,
+        so read the attribute off the DTensor Dynamo's example value was, which is what the
+        user's Python saw."""
+        node = self._node
+        seen = node.args[0].meta.get("example_value") if isinstance(node.args[0], fx.Node) \
+            else None
+        if isinstance(seen, DTensor):
+            return getattr(seen, attr)
+        raise DistCompileError(
+            f"{attr} read at {node.name} from a value that is not a DTensor while Dynamo "
+            f"traced it", source=user_source(node), mesh=self.mesh,
+            fix=f"read {attr} from a DTensor (a parameter or a DTensor input)")
 
     def _local_aware(self, run, args, kwargs):
         """Run one op; if any tensor argument is local, the global ones enter as Replicate and
@@ -292,9 +310,9 @@ class _GlobalInterpreter(fx.Interpreter):
             if pls is None and isinstance(seen, DTensor) and self.mesh is not None:
                 # The placement Dynamo's example value had, which is what the user's Python saw
                 # (branches such as parallelize_module's "redistribute unless already in the
-                # output layout" were taken on it). While tracing for dist, DTensor propagation
-                # replicates (``_compat.install_dynamo_tracing_fallback``): local = the whole
-                # value. Eager DTensor may have held a shard or a partial sum here instead.
+                # output layout" were taken on it): eager DTensor's own choice, or Replicate
+                # after an op DTensor has no strategy for
+                # (``_compat.install_dynamo_tracing_fallback``).
                 pls = normalize(tuple(seen.placements), x.ndim)
                 log.info("dynamo_dist: %s: to_local() of a value the planner places; read as "
                          "%s (pin it with redistribute for another local shard)",
@@ -315,6 +333,9 @@ class _GlobalInterpreter(fx.Interpreter):
             self._know(out, self.mesh, tuple(Replicate() for _ in range(self.mesh.ndim)))
             return out
         return x
+
+
+_DTENSOR_METADATA = ("device_mesh", "placements")
 
 
 def _tensors(tree) -> list[torch.Tensor]:

@@ -145,11 +145,13 @@ def _piece(x: Any, rank: int) -> Any:
 
 
 def _pack(values: dict[int, Any]) -> Any:
-    """Per-rank results -> one LocalTensor (None stays None)."""
+    """Per-rank results -> one LocalTensor (None stays None; a Python value the program
+    returns, such as the placements user code read, is the same on every rank)."""
     from torch.distributed._local_tensor import LocalTensor
 
-    if all(v is None for v in values.values()):
-        return None
+    first = next(iter(values.values()))
+    if not isinstance(first, torch.Tensor):
+        return first
     values = {r: v.detach() for r, v in values.items()}
     if len({(v.stride(), v.storage_offset()) for v in values.values()}) > 1:
         # ranks' local layouts may differ (rank 1's slice starts further into the buffer); a

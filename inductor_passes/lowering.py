@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
 from dynamo_dist import _compat
@@ -201,21 +202,16 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 return redistribute(t, cur, req, axes, record, tuple(shape))
             return reduce
 
-        for node in gm.graph.nodes:
-            if node.op == "get_attr":  # a constant: every rank holds all of it (Replicate)
-                env[node] = getattr(gm, node.target)
-                continue
-            if node.op != "call_function":
-                continue
+        def lower_node(node: fx.Node) -> None:
             np = plan.nodes[node.name]
             if node.target is GETITEM:
                 env[node] = env[node.args[0]][node.args[1]]
-                continue
+                return
             targs = tensor_args(node)
             local_in = {a: moved(a, req, node, k) for k, (a, req) in enumerate(zip(targs, np.inputs))}
             if node.target in (CONSTRAINT_OP, ENTER_OP, EXIT_OP):  # the local tensor is the value
                 env[node] = local_in[targs[0]]
-                continue
+                return
             args, kwargs = pytree.tree_map_only(
                 fx.Node, lambda a: local_in[a] if a in local_in else env[a], (node.args, node.kwargs))
             idx = size_arg(node.target)
@@ -241,6 +237,17 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
             _check_local(node, out, np.output, mesh_shape, mesh, coord)
             env[node] = out
 
+        for node in gm.graph.nodes:
+            if node.op == "get_attr":  # a constant: every rank holds all of it (Replicate)
+                env[node] = getattr(gm, node.target)
+                continue
+            if node.op != "call_function":
+                continue
+            # the local nodes carry the global node's meta: the user's stack trace, and
+            # activation checkpointing's recompute tags, which the partitioner reads
+            with fx_traceback.set_current_meta(node):
+                lower_node(node)
+
         output = next(iter(gm.graph.find_nodes(op="output")))
         results = []
         reqs = iter(plan.nodes[output.name].inputs)
@@ -260,9 +267,11 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
         primal_fakes = [local_fake(n) for n in primals]
         tangent_fakes = [local_fake(n) for n in tangents]
         # Inductor needs its own decompositions applied (redistribute adds zeros_like, ...)
-        local_gm = _compat.make_fx(local_joint, decomposition_table=_compat.select_decomp_table(),
-                                   tracing_mode="fake", record_stack_traces=True,
-                                   )(primal_fakes, tangent_fakes)
+        with fx_traceback.preserve_node_meta():
+            local_gm = _compat.make_fx(local_joint,
+                                       decomposition_table=_compat.select_decomp_table(),
+                                       tracing_mode="fake", record_stack_traces=True,
+                                       )(primal_fakes, tangent_fakes)
     # flat calling convention (one placeholder per tensor), as the partitioner and Inductor expect
     local_gm.graph._codegen = fx.graph.CodeGen()
     local_gm.recompile()

@@ -89,3 +89,38 @@ def test_eager_dtensor_op_between_compiled_graphs(fake_mesh):
     x = torch.randn(2, 4)
     out = torch.compile(f, backend="dist", options={"inductor": False})(x)
     assert out.shape == (2, 4)
+
+
+def test_user_code_reads_eager_placements_and_mesh_while_tracing(fake_mesh):
+    """Python that reads ``.placements`` / ``.device_mesh`` of an intermediate DTensor (and
+    asserts on them, branches on them, asks the mesh for a group) sees while Dynamo traces what
+    it sees eagerly: a column- then row-parallel pair gives Shard(1), then Partial. Before,
+    tracing for dist read every value as Replicate (torchtitan's asserts failed) and
+    ``x.device_mesh`` failed in capture ("'FakeTensor' object has no attribute
+    'device_mesh'"). Simulated ranks: the compiled program computes what eager does."""
+    from torch.distributed.tensor import Partial
+
+    from dynamo_dist.testing.zoo.cell import SimRuntime, global_value
+
+    rt = SimRuntime()
+    mesh = rt.setup({"tp": 2})
+    with rt.eager():
+        w1 = distribute_tensor(torch.randn(16, 8), mesh, [Shard(0)])
+        w2 = distribute_tensor(torch.randn(8, 16), mesh, [Shard(1)])
+        x = distribute_tensor(torch.randn(4, 8), mesh, [Replicate()])
+    seen = []
+
+    def f(x):
+        h = torch.nn.functional.linear(x, w1)
+        o = torch.nn.functional.linear(h.relu(), w2)
+        group = o.device_mesh.get_group("tp")
+        seen.append((h.placements, o.placements, group is not None))
+        assert o.placements[0].is_partial()
+        scale = 2.0 if isinstance(h.placements[0], Shard) else 3.0  # a branch on placements
+        return (o.redistribute(o.device_mesh, [Replicate()]) * scale).to_local()
+
+    with rt.eager():
+        want = global_value(f(x), rt)
+    got = torch.compile(f, backend="dist", options=rt.options())(x)
+    assert seen == [((Shard(1),), (Partial(),), True)] * 2
+    torch.testing.assert_close(global_value(got, rt), want)

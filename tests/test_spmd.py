@@ -209,24 +209,28 @@ def test_manual_region_errors_are_clear(fake_mesh):
 
 
 
-def test_to_local_of_a_planned_value_reads_what_dynamo_saw(fake_mesh):
+def test_to_local_of_a_planned_value_reads_what_eager_sees(fake_mesh):
     """to_local() of a value the planner places (no redistribute before it) is read in the
-    placement the program observed while Dynamo traced (Replicate: the whole value), which is
-    what branches on ``.placements`` in the user's code (parallelize_module's hooks) saw."""
+    placement eager DTensor gives it, which is what the program observes while Dynamo traces
+    and what branches on ``.placements`` in the user's code (parallelize_module's hooks,
+    torchtitan's asserts) see: Shard(0) for a row-split weight times a replicated input (it
+    read Replicate while tracing, and the local value was the whole product)."""
     dm = fake_mesh((2,), ("tp",))
     w = distribute_tensor(torch.randn(4, 4), dm, [Shard(0)])
     x = distribute_tensor(torch.randn(4, 4), dm, [Replicate()])
 
     def unplanned(w, x):
         y = w @ x
-        assert y.placements == (Replicate(),)  # what the program sees while Dynamo traces
+        assert y.placements == (Shard(0),)  # as eagerly, also while Dynamo traces
         return y.to_local() * 2
 
+    want = unplanned(w, x)
     out = torch.compile(unplanned, backend="dist", fullgraph=True)(w, x)
-    assert not isinstance(out, DTensor) and out.shape == (4, 4)
+    assert not isinstance(out, DTensor) and out.shape == want.shape == (2, 4)
+    torch.testing.assert_close(out, want)
     plan = dynamodist_plan()
     enter = next(n for n in plan.nodes if n.startswith("enter_manual"))
-    assert plan.nodes[enter].inputs == ((Replicate(),),)
+    assert plan.nodes[enter].inputs == ((Shard(0),),)
 
 
 def dynamodist_plan():

@@ -130,3 +130,85 @@ def test_capture_keeps_every_placed_value_alive(fake_mesh, monkeypatch):
     assert len(seen) >= 8
     for key, interp in seen.items():
         assert key in interp.inputs or any(id(t) == key for t in interp._known_alive), key
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)).sin().cos())
+
+
+class CheckpointedStack(torch.nn.Module):
+    """Four Megatron MLP blocks, each under ``torch.utils.checkpoint`` when ``ac``."""
+
+    def __init__(self, ac: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(4))
+        self.ac = ac
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.ac \
+                else block(x)
+        return x.pow(2).mean()
+
+
+def _eager_saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward in one eager step, parameters and the input left out
+    (they live anyway)."""
+    keep = {id(p) for p in model.parameters()} | {id(x)}
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        if id(t) not in keep and t.data_ptr() not in {p.data_ptr() for p in model.parameters()}:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).backward()
+    model.zero_grad()
+    return total
+
+
+def _compiled_saved_bytes(record) -> int:
+    """Bytes the compiled forward hands to its backward on one rank, graph inputs left out."""
+    fw = record.step.joint.fw_graph
+    out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+    saved = out[record.step.joint.num_fwd_outputs:]
+    return sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in saved
+               if isinstance(n, torch.fx.Node) and n.op != "placeholder")
+
+
+def test_activation_checkpointing_is_honoured(fake_mesh):
+    """``torch.utils.checkpoint`` on every block (tp=2, simulated ranks): the same loss and
+    gradients as one process, and the bytes saved for backward per rank drop to what eager
+    keeps with checkpointing (the block boundaries; they were identical with and without it:
+    the recompute tags never reached the partitioner). The drop is 16x here against eager's
+    17x: without checkpointing a rank saves only its half of the split intermediates. The recomputed forward needs one more
+    all_reduce (the last block's output, which the loss reads), not one per block."""
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    eager_ac = _eager_saved_bytes(CheckpointedStack(True), x)
+    assert _eager_saved_bytes(CheckpointedStack(False), x) > 10 * eager_ac
+    saved, issued = {}, {}
+    for ac in (False, True):
+        rt, ref = SimRuntime(), CheckpointedStack(ac)
+        model = _sharded(ref, rt)
+        loss = torch.compile(model, backend="dist", options=rt.options())(x)
+        with rt.eager():
+            loss.backward()
+        ref_loss = ref(x)
+        ref_loss.backward()
+        assert global_value(loss, rt).item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(global_value(p.grad, rt), q.grad, rtol=1e-4, atol=1e-6,
+                                       msg=name)
+        record = compile_records()[-1]
+        saved[ac], issued[ac] = _compiled_saved_bytes(record), record.step.joint.issued
+        torch._dynamo.reset()
+    assert saved[True] <= eager_ac and saved[False] >= 10 * saved[True], (saved, eager_ac)
+    assert issued[True]["all_reduce"] == issued[False]["all_reduce"] + 1, issued
