@@ -135,3 +135,21 @@ def test_two_rank_mixtral_moe_parity():
                   r"fallbacks (\d+)", out)
     assert m and float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-4, out
     assert float(m.group(3)) <= 1e-3 and m.group(4) == "0", out
+
+
+def test_torchtitan_llama3_with_its_own_tp_plan():
+    """torchtitan's Llama 3 debug model (from its wheel), parallelized by torchtitan's own plan
+    (``Module.parallelize``, sequence parallel off and on), compiled whole with
+    ``backend="dist"`` on 2 gloo ranks: 5 AdamW steps at parity with one process, one graph,
+    no break, and fewer collectives per step than eager DTensor issues on the same model. It
+    failed as shipped: tracing read every ``.placements`` as Replicate, torchtitan's
+    placement asserts broke the graph 12-13 times, then Dynamo's "Guard failed on the same
+    frame it was created"."""
+    import json
+
+    out = torchrun("torchtitan_tp.py", 2, timeout=600).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["sp"] for r in rows] == [False, True], out
+    for r in rows:
+        assert r["loss_rel"] <= 1e-5 and r["graphs"] == 1 and r["breaks"] == 0, r
+        assert r["collectives"] < r["eager_dtensor_collectives"], r
