@@ -155,13 +155,22 @@ class Recording:
         from .backend import dist_backend
 
         self.options = dict(options or {})
-        self.compiler_fn = dist_backend  # how _compat sees that Dynamo traces for ``dist``
+        self.compiler_fn = dist_backend
+
+        def backend(gm, example_inputs, options: dict | None = None, **_ignored):
+            return self._record(gm, example_inputs, options)
+
+        # marked as dist_backend is, so that Dynamo traces it as it traces ``dist`` (DTensor's
+        # tracing fallback, static shapes); a bound method cannot carry these attributes
+        backend._dynamo_dist_backend = True
+        backend.backend_ctx_ctor = dist_backend.backend_ctx_ctor
+        self.backend = backend
         self.graphs: list[list] = []  # [Dynamo's gm, compile id, CompileRecord|"one device"|None]
         self.error: BaseException | None = None
         self._old_breaks: list = []
         self._old_metrics: list = []
 
-    def backend(self, gm, example_inputs, options: dict | None = None, **_ignored):
+    def _record(self, gm, example_inputs, options: dict | None = None):
         """The ``dist`` backend, recording ``gm`` and its CompileRecord (if one was made)."""
         from .backend import compile_records
 
