@@ -30,7 +30,7 @@ from . import _compat, agreement, compiled_autograd, plan_cache
 from .agreement import plan_once
 from .annotations import (CONSTRAINT_OP, PIN_ERROR, checked_placements, data_axes, encode_spec,
                           mesh_from_key)
-from .capture import JointProgram, planned_input_placements, trace_joint
+from .capture import JointProgram, lift_tensor_attributes, planned_input_placements, trace_joint
 from .divergence import check_same_schedule
 from .errors import DistCompileError, user_source
 from .ledger import CollectiveLedger
@@ -223,6 +223,9 @@ def _input_placements(info, mesh) -> tuple[Placements, str | None]:
 def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate: bool = False):
     seconds: dict[str, float] = {}
     t = time.perf_counter()
+    # an optimizer's DTensor parameters and state reach us as graph attributes: inputs from here
+    gm, attributes = lift_tensor_attributes(gm)
+    example_inputs = [*example_inputs, *attributes]
     program = trace_joint(gm, example_inputs)
     seconds["capture"] = time.perf_counter() - t
 
@@ -280,7 +283,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
         joint, ledger = simulated_joint(program.graph_module, plan, mesh,
                                         program.num_fwd_outputs, has_bwd)
         seconds["lower"] = time.perf_counter() - t
-        return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd)
+        return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd,
+                       attributes=attributes)
 
     # the strides each input's local tensor arrives with (inductor_passes.layout)
     coord, mesh_shape = local_coordinate(mesh), tuple(mesh.shape)
@@ -309,14 +313,15 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
     joint = compile_joint(local_gm, program.num_fwd_outputs, has_bwd, inductor, check)
     seconds["inductor"] = time.perf_counter() - t - seconds.get("schedule check", 0.0)
     return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd,
-                   in_strides)
+                   in_strides, attributes)
 
 
 def _finish(gm, program: JointProgram, plan: Plan, mesh, primal_pl, joint,
             ledger: CollectiveLedger, seconds: dict[str, float], has_bwd: bool,
-            in_strides: list | None = None) -> DistStep:
+            in_strides: list | None = None, attributes: Sequence = ()) -> DistStep:
     """The runtime step around compiled (or simulated) local programs, recorded.
-    ``in_strides``: the LOCAL strides the compiled graphs expect of each input (None: any)."""
+    ``in_strides``: the LOCAL strides the compiled graphs expect of each input (None: any);
+    ``attributes``: lifted graph attributes, passed after Dynamo's arguments on every call."""
     ledger.buckets, ledger.issued_by_kind = joint.buckets, joint.issued
     coord, mesh_shape = local_coordinate(mesh), tuple(mesh.shape)
 
@@ -340,7 +345,7 @@ def _finish(gm, program: JointProgram, plan: Plan, mesh, primal_pl, joint,
         placements[i] = None
     step = DistStep(program.inputs, joint, mesh, primal_pl, placements, shapes,
                     program.diff_outputs if has_bwd else [], program.mutated_inputs,
-                    in_strides or (), strides)
+                    in_strides or (), strides, attributes)
     record = CompileRecord(plan, ledger, seconds, program, step)
     _RECORDS.append(record)
     _warn_batch_gathers(record, data_axes(mesh))

@@ -106,6 +106,99 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
     return infos
 
 
+def foreach_decompositions() -> dict:
+    """``aten._foreach_<op>[_]`` (the optimizers' multi-tensor kernels) -> the same op on each
+    list element: each element is then planned as the pointwise op it is, so a sharded
+    parameter, its gradient and its optimizer state are updated where they live (as one
+    replicated multi-tensor op, every list was gathered to every rank). Inductor fuses the
+    per-element ops again. Out= overloads are left alone (functionalisation rewrites them)."""
+    if _FOREACH:
+        return _FOREACH
+    aten = torch.ops.aten
+    for name in dir(aten):
+        if not name.startswith("_foreach_"):
+            continue
+        packet = getattr(aten, name)
+        per_element = getattr(aten, name[len("_foreach_"):], None)
+        if per_element is None:
+            continue
+        inplace = name.endswith("_")
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if any(a.is_out for a in op._schema.arguments):
+                continue
+            _FOREACH[op] = _per_element(op, per_element, inplace)
+    return _FOREACH
+
+
+_FOREACH: dict = {}
+
+
+def _per_element(foreach, op, inplace: bool):
+    names = [a.name for a in foreach._schema.arguments]
+
+    def run(*args, **kwargs):
+        lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple))]
+        outs = []
+        for i in range(len(lists[0])):
+            pick = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
+            kw = {k: v[i] if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
+            try:
+                outs.append(op(*pick, **kw))
+            except RuntimeError as exc:  # a foreach positional the op takes by keyword only
+                n = next((k for k in range(len(pick) - 1, 0, -1)
+                          if f"takes {k} positional" in str(exc)), None)
+                if n is None:
+                    raise
+                kw.update(zip(names[n:], pick[n:]))
+                outs.append(op(*pick[:n], **kw))
+        return None if inplace else outs
+    return run
+
+
+def lift_tensor_attributes(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tensor]]:
+    """Dynamo keeps tensors it treats as static -- an optimizer's parameters and state, read
+    from ``param_groups`` and ``state`` -- as graph attributes (``get_attr``), not inputs. When
+    any of them is a DTensor, return a copy of ``gm`` (Dynamo reads its own graph's placeholders
+    after the backend returns) in which every tensor attribute is a placeholder after the
+    others, so capture plans it and an in-place update of it becomes an input mutation the
+    runtime writes back; and those tensors in placeholder order, which the caller passes on
+    every call (Dynamo guards their identity). Returns (``gm``, []) otherwise."""
+    found = [(n, _attribute(gm, n.target)) for n in gm.graph.find_nodes(op="get_attr")]
+    if not any(isinstance(v, DTensor) for _, v in found):
+        return gm, []
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, copies))
+    gm = fx.GraphModule(gm, graph)
+    nodes = [(copies[n], v) for n, v in found if isinstance(v, torch.Tensor)]
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    anchor = placeholders[-1] if placeholders else None
+    lifted = []
+    for node, value in nodes:
+        if anchor is None:
+            with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
+                ph = gm.graph.placeholder(node.name)
+        else:
+            with gm.graph.inserting_after(anchor):
+                ph = gm.graph.placeholder(node.name)
+        ph.meta.update(node.meta)
+        ph.meta.setdefault("example_value", value)
+        node.replace_all_uses_with(ph)
+        gm.graph.erase_node(node)
+        anchor = ph
+        lifted.append(value)
+    gm.recompile()
+    return gm, lifted
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
 def find_mesh(infos: Sequence[InputInfo], example_inputs: Sequence[Any]) -> DeviceMesh | None:
     """The one DeviceMesh of this program; inputs on two different meshes are an error."""
     meshes: dict[int, tuple[DeviceMesh, str]] = {}
@@ -427,6 +520,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
     decomp = {op: fn for op, fn in _compat.select_decomp_table().items()
               if not (hasattr(op, "_schema") and any(a.is_out for a in op._schema.arguments))
               and op not in PLANNED_WHOLE}
+    decomp.update(foreach_decompositions())
     with _compat.disable_local_tensor_mode(), _leaf_mutation_explained(tensor_infos):
         joint_gm = _compat.make_fx(
             joint,

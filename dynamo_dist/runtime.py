@@ -63,10 +63,12 @@ class DistStep:
                  input_placements: Sequence[Placements], output_placements: Sequence[Any],
                  output_shapes: Sequence[Any], diff_outputs: Sequence[int],
                  mutated_inputs: Sequence[int] = (), input_strides: Sequence[Any] = (),
-                 output_strides: Sequence[Any] = ()) -> None:
+                 output_strides: Sequence[Any] = (), attributes: Sequence[Any] = ()) -> None:
         """``input_strides``: per tensor input, the LOCAL strides the compiled graph expects;
         ``output_strides``: per forward output, the GLOBAL strides its DTensor declares (both
-        from ``inductor_passes.layout``)."""
+        from ``inductor_passes.layout``); ``attributes``: tensors the program reads that Dynamo
+        kept as graph attributes (``capture.lift_tensor_attributes``), appended to each call's
+        arguments."""
         self.inputs = list(inputs)
         self.joint = joint
         self.mesh = mesh
@@ -85,9 +87,11 @@ class DistStep:
         self.mutated_inputs = list(mutated_inputs)
         self.num_user_outputs = len(self.output_placements) - len(self.mutated_inputs)
         self.calls = 0  # how often this graph ran (a recompiled program leaves old ones idle)
+        self.attributes = tuple(attributes)
 
     def __call__(self, *args):
         self.calls += 1
+        args = (*args, *self.attributes)
         if contract.enabled():
             contract.check_same_values(self._global_inputs(args), self.mesh)
         local = []
