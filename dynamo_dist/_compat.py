@@ -297,6 +297,10 @@ def install_dynamo_tracing_fallback() -> None:
         # same way (torchtitan asserts an output's placements, and local_map reads them)
         # Only for ops with a strategy of their own: for the others (SDPA on CPU) DTensor
         # searches strategies through the op's decomposition, which took ~50 s per SDPA.
+        if op_schema.op is torch.ops.aten.cat.default:
+            own = _cat_skipping_legacy_empties(original, op_schema)
+            if own is not None:
+                return own
         if _has_own_strategy(prop, op_schema.op):
             try:
                 own = original(op_schema)
@@ -308,7 +312,7 @@ def install_dynamo_tracing_fallback() -> None:
         state["substituted"] = True
         try:
             result = original(rep)
-        except Exception as exc:
+        except Exception:
             # No DTensor strategy (aten._scaled_dot_product_flash_attention_for_cpu), or one
             # that fails on these arguments (aten._chunk_cat's tensor list): Dynamo only needs
             # global metadata, which the op on replicated fakes gives. A real error in the
@@ -330,6 +334,7 @@ def install_dynamo_tracing_fallback() -> None:
     # while Dynamo's frame hook is active, and it would try to compile this frame.
     prop.propagate_op_sharding_non_cached = torch.compiler.disable(propagate)
     prop._dynamo_dist_fallback = True
+    _argminmax_negative_dim_fix()
     _strided_gather_while_tracing()
     # DTensor runs some ops through handlers of its own (convolution, as_strided, argmax...)
     # that bypass propagation: while tracing for dist they run on replicated values too.
@@ -374,6 +379,38 @@ def _has_own_strategy(prop, op) -> bool:
                ("op_single_dim_strategy_funcs", "op_strategy_funcs", "op_to_rules"))
 
 
+def _cat_skipping_legacy_empties(original, op_schema):
+    """``torch.cat([torch.tensor([]), k], dim=-2)``, transformers' DynamicCache on its first
+    update: cat skips a 1-D empty operand, but DTensor's cat strategy (2.13) asks to split it
+    and is refused, and the replicated reading would gather the whole KV cache. DTensor's
+    strategy on the other operands, with the empties left replicated (their local tensor is
+    themselves), is what the op computes. None when it does not apply."""
+    tensors = op_schema.args_schema[0] if op_schema.args_schema else None
+    if not isinstance(tensors, (list, tuple)) or \
+            not all(isinstance(s, DTensorSpec) and s.tensor_meta is not None for s in tensors):
+        return None
+    empty = [tuple(s.tensor_meta.shape) == (0,) for s in tensors]
+    if not any(empty) or all(empty):
+        return None
+    kept = type(tensors)(s for s, e in zip(tensors, empty) if not e)
+    try:
+        result = original(OpSchema(op_schema.op, (kept, *op_schema.args_schema[1:]),
+                                   op_schema.kwargs_schema, schema_info=op_schema.schema_info))
+    except Exception:  # noqa: BLE001 -- the replicated reading applies
+        return None
+    if not _redistribution_applies(result):
+        return None
+    wanted = result.redistribute_schema
+    if wanted is not None:  # the asked-for layouts, the empties put back in their places
+        asked = iter(wanted.args_schema[0])
+        full = type(tensors)(s if e else next(asked) for s, e in zip(tensors, empty))
+        result.redistribute_schema = OpSchema(op_schema.op, (full, *wanted.args_schema[1:]),
+                                              wanted.kwargs_schema,
+                                              schema_info=op_schema.schema_info)
+        result.needs_redistribute = True
+    return result
+
+
 def _redistribution_applies(result) -> bool:
     """Whether DTensor's own choice can be run while Dynamo traces: its outputs hold plain
     Shard / Replicate / Partial only (a ``_MaskPartial`` from a vocab-split embedding fails
@@ -398,6 +435,32 @@ def _redistribution_applies(result) -> bool:
                                     for p in spec.placements):
             return False
     return True
+
+
+def _argminmax_negative_dim_fix() -> None:
+    """DTensor's argmax/argmin over a split dim (2.13, ``_nonlinear_redux``) all_gathers with
+    the user's ``dim``; a negative one (``logits.argmax(-1)``, every greedy decode step over
+    vocabulary-split logits) breaks ``_maybe_view_chunk_cat`` ("shape [1, 2, 2, 1] is invalid
+    for input of size 2"). The handler gets the dim counted from the front. Eager DTensor is
+    fixed too (the bug is the same there)."""
+    handlers = _dtensor_dispatcher()._custom_op_handlers
+    for op in (torch.ops.aten.argmax.default, torch.ops.aten.argmin.default):
+        handler = handlers.get(op)
+        if handler is None or getattr(handler, "_dynamo_dist_dim_fix", False):
+            continue
+
+        def counted_from_front(op_call, args, kwargs, _handler=handler):
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if isinstance(dim, int) and dim < 0 and isinstance(args[0], torch.Tensor):
+                dim += max(args[0].ndim, 1)
+                if len(args) > 1:
+                    args = (args[0], dim, *args[2:])
+                else:
+                    kwargs = {**kwargs, "dim": dim}
+            return _handler(op_call, args, kwargs)
+
+        counted_from_front._dynamo_dist_dim_fix = True
+        handlers[op] = counted_from_front
 
 
 def _strided_gather_while_tracing() -> None:

@@ -50,6 +50,20 @@ class CompileRecord:
     program: JointProgram
     step: DistStep | None
 
+    def saved_for_backward_bytes(self) -> int:
+        """Bytes this rank's compiled forward hands to its backward (local tensors: activations
+        and whatever the partitioner chose to save; graph inputs such as parameters left out,
+        they are held anyway). 0 for a forward-only program."""
+        joint = self.step.joint if self.step is not None else None
+        fw = getattr(joint, "fw_graph", None)
+        if fw is None:
+            return 0
+        out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+        return sum(n.meta["val"].numel() * n.meta["val"].element_size()
+                   for n in out[joint.num_fwd_outputs:]
+                   if isinstance(n, fx.Node) and n.op != "placeholder" and
+                   isinstance(n.meta.get("val"), torch.Tensor))
+
     def activation_gathers(self, mesh_axis: str) -> list:
         """Ledger entries that all_gather on ``mesh_axis`` anything but a parameter (a DTensor
         input) or a view of one. On a data axis this should be empty: data parallelism gathers

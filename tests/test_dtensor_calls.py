@@ -124,3 +124,47 @@ def test_user_code_reads_eager_placements_and_mesh_while_tracing(fake_mesh):
     got = torch.compile(f, backend="dist", options=rt.options())(x)
     assert seen == [((Shard(1),), (Partial(),), True)] * 2
     torch.testing.assert_close(global_value(got, rt), want)
+
+
+def test_kv_cache_first_update_stays_split_over_heads(fake_mesh):
+    """transformers' DynamicCache starts each layer's cache as ``torch.tensor([])`` and cats the
+    new keys onto it (cat skips a legacy empty 1-D operand). Eager DTensor refuses the mixed
+    call and 2.13's cat strategy asks to split the empty operand, so tracing read the cache as
+    replicated: every decode step gathered it. Now it stays split over the heads, and the
+    compiled program computes what one process does (simulated ranks)."""
+    from dynamo_dist.testing.zoo.cell import SimRuntime, global_value
+
+    rt = SimRuntime()
+    mesh = rt.setup({"tp": 2})
+    full = torch.randn(1, 4, 8, 16)
+    with rt.eager():
+        k = distribute_tensor(full, mesh, [Shard(1)])
+    seen = []
+
+    def f(k):
+        cache = torch.cat([torch.tensor([]), k], dim=-2)
+        seen.append(cache.placements)
+        return torch.cat([cache, k * 2], dim=-2)
+
+    out = torch.compile(f, backend="dist", options=rt.options())(k)
+    assert seen == [(Shard(1),)]
+    assert out.placements == (Shard(1),)
+    torch.testing.assert_close(global_value(out, rt), torch.cat([full, full * 2], dim=-2))
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_argmax_over_a_split_dim_with_a_negative_dim(fake_mesh, keepdim):
+    """Greedy decoding's ``logits.argmax(-1)`` on logits split over the vocabulary: 2.13's
+    DTensor argmax gathers with the negative dim and failed ("shape '[1, 2, 2, 1]' is invalid
+    for input of size 2"), eager or after a compiled forward. ``_compat`` hands it the dim
+    counted from the front (simulated ranks, against one process)."""
+    from dynamo_dist.testing.zoo.cell import SimRuntime, global_value
+
+    rt = SimRuntime()
+    mesh = rt.setup({"tp": 2})
+    logits = torch.randn(1, 256)  # one sequence: the gather takes its view fast path
+    _compat.install_dynamo_tracing_fallback()  # the fix is installed with it (idempotent)
+    with rt.eager():
+        got = distribute_tensor(logits, mesh, [Shard(1)]).argmax(-1, keepdim=keepdim)
+        got = global_value(got, rt)
+    torch.testing.assert_close(got, logits.argmax(-1, keepdim=keepdim))

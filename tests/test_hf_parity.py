@@ -26,11 +26,13 @@ SMALL = dict(vocab_size=256)
 def _param_name(placeholder: str) -> str:
     """Dynamo's placeholder name -> the module's attribute path
     (L_self_modules_bert_modules_encoder_..._parameters_bias_ -> bert.encoder....bias,
-    L_kwargs_input_ids_ -> input_ids)."""
+    L_args_0_modules_model_..._weight_ -> model....weight, L_kwargs_input_ids_ -> input_ids)."""
     name = re.sub(r"^[LG]_", "", placeholder).rstrip("_")
     name = re.sub(r"_(modules|parameters|buffers)_", ".", name)
-    # the model's own forward (self) or, under an input plan, shard_module's wrapper around it
-    return re.sub(r"^(inner_)?self\.", "", name).removeprefix("kwargs_")
+    # the model's own forward (self), shard_module's wrapper around it (inner_self) under an
+    # input plan, or a decorator's (*args, **kwargs) wrapper (transformers 5.24's
+    # deprecate_kwarg on LlamaForCausalLM.forward): self is then args_0
+    return re.sub(r"^(inner_self|self|args_0)\.", "", name).removeprefix("kwargs_")
 
 
 def _simulate(ref: torch.nn.Module, mesh, mesh_axes: dict[str, int], ids: torch.Tensor):

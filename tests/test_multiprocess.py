@@ -153,3 +153,20 @@ def test_torchtitan_llama3_with_its_own_tp_plan():
     for r in rows:
         assert r["loss_rel"] <= 1e-5 and r["graphs"] == 1 and r["breaks"] == 0, r
         assert r["collectives"] < r["eager_dtensor_collectives"], r
+
+
+def test_serving_eval_and_generate_match_one_process():
+    """transformers' Llama on 2 gloo ranks (tp): no_grad and inference_mode forwards compile
+    forward-only programs at parity, and ``generate`` (greedy, 8 new tokens, DynamicCache)
+    through the compiled forward gives one process's tokens, the KV cache split over its
+    key/value heads. Before: the no_grad forward crashed (it expected tangents); then generate
+    failed after the graph (decode-step logits left split over the vocabulary hit DTensor's
+    argmax(-1) bug), and the cache's first update read the whole cache as replicated."""
+    import json
+
+    out = torchrun("serve_tp.py", 2, timeout=600).stdout
+    row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert row["no_grad_logits_err"] <= 1e-4 and row["inference_mode_logits_err"] <= 1e-4, row
+    assert row["cache_placements"] == ["S(1)"] and row["cache_local_heads"] * 2 == \
+        row["cache_global_heads"], row
+    assert row["tokens"] == row["ref_tokens"] and len(row["tokens"][0]) == 8 + 8, row

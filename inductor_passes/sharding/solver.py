@@ -11,12 +11,14 @@ Variables and constraints, each built by the function named:
   y = 1 when u is produced as o and some consumer needs it as r. One y per (u,o,r), shared by
   all consumers, because lowering redistributes a value once per target placement.
 * getitem nodes and cotangents are tied to their source: ``x[g,j] = X[u,o_j]`` (``_ties``);
-  a cotangent takes its forward output's placement with Partial reduced (JAX's rule).
+  a cotangent takes the placement its forward output lands in (JAX's rule; the runtime hands
+  the gradient over there).
 
 Objective (``_objective``): sum of redistribute cost * y (cost.redistribute_cost, parameters'
 gathers priced with the memory factor) + what each OpSpec costs itself (rules.node_cost: matmul,
 fused-attention and convolution compute per rank, collectives inside an op) + the cost of
-bringing each graph output to its required placement (forward outputs non-Partial, gradients in
+bringing each graph output to its required placement (forward outputs: ``required_output``,
+never Partial nor unevenly split, replicated where eager returns them replicated; gradients in
 their parameter's placement). Solved with HiGHS through scipy.optimize.milp.
 """
 
@@ -30,7 +32,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch.fx as fx
 
-from .placements import Placements, is_placements, nonpartial, replicate, strided_factors
+from .placements import (Placements, is_placements, replicate, required_output,
+                         strided_factors)
 from .rules import (GETITEM, OpSpec, Strided, has_node_cost, node_cost, op_strategy,
                     replicated_spec, tensor_args)
 from .rules.strided import NONE as NO_STRIDED
@@ -147,6 +150,7 @@ class ShardingILP:
     def _enumerate(self) -> None:
         ndim = len(self.mesh_shape)
         tangent_src = dict(zip(self.tangents, (self.outs[j] for j in self.diff_outputs)))
+        tangent_of = dict(zip(self.tangents, self.diff_outputs))
         # forward part first: a cotangent's options come from its forward output's
         from .propagate import tangent_dependent
 
@@ -161,7 +165,10 @@ class ShardingILP:
             if node in tangent_src:
                 src = tangent_src[node]
                 outs = self.outputs_of(src)
-                self.options[node] = [OpSpec((), nonpartial(o), "cotangent") for o in outs]
+                # the runtime hands it over where the output landed (DTensor.from_local's
+                # backward redistributes the incoming gradient to the output's placement)
+                self.options[node] = [OpSpec((), self.want(tangent_of[node], o), "cotangent")
+                                      for o in outs]
                 for j, o in enumerate(outs):
                     self.ties.append((node, j, src, o))
                 continue
@@ -335,6 +342,9 @@ class ShardingILP:
         """Required placement of graph output i, given what its producer produced."""
         ndim = len(self.mesh_shape)
         if i < self.num_fwd_outputs:
-            return nonpartial(produced) if is_placements(produced) else replicate(ndim)
+            val = self.outs[i].meta.get("val") if isinstance(self.outs[i], fx.Node) else None
+            if not is_placements(produced) or val is None:
+                return replicate(ndim)
+            return required_output(self.output, i, produced, tuple(val.shape), self.mesh_shape)
         g = self.grad_placements[i - self.num_fwd_outputs]
         return g if g is not None else replicate(ndim)
