@@ -251,7 +251,6 @@ class _GlobalInterpreter(fx.Interpreter):
         self.known = known
         self.inputs = inputs               # id of an input tensor -> its tensor-input position
         self.local_outputs: set[str] = set()
-        self.replicated_outputs: set[int] = set()  # flat forward outputs eager has replicated
         self.manual_nodes: set[str] = set()  # Dynamo nodes whose value is a local tensor
         self.manual_inputs: set[int] = set()  # tensor inputs that from_local reads as local
         self._manual: dict[int, torch.Tensor] = {}  # id -> tensor (kept alive: ids stay unique)
@@ -271,27 +270,6 @@ class _GlobalInterpreter(fx.Interpreter):
         if n.op != "output" and any(id(t) in self._manual for t in _tensors(out)):
             self.manual_nodes.add(n.name)
         return out
-
-    def output(self, target, args, kwargs):
-        """Record which forward outputs must leave replicated: those Dynamo's example value
-        (eager DTensor's propagation) says are. Code after the compiled region treats them as
-        the whole value (``generate``'s argmax, sampling, ``.item()``, and ``to_local()``,
-        which would read a shard: a wrong number, no error); logits left split over the
-        vocabulary made DTensor's own argmax fail after the graph. Outputs eager returns split
-        or Partial stay the planner's choice (their ``.placements`` say which): eager DTensor
-        on FSDP-style parameters splits logits over the vocabulary, and following it cost
-        all_gathers of every input. The planner reads this as a requirement at the output
-        (``OUTPUT_PLACEMENTS`` on the joint graph's output node), like a gradient's."""
-        nodes, _ = pytree.tree_flatten(self._node.args[0])
-        values, _ = pytree.tree_flatten(args[0])
-        if self.mesh is not None and len(nodes) == len(values):
-            for k, (n, v) in enumerate(zip(nodes, values)):
-                seen = n.meta.get("example_value") if isinstance(n, fx.Node) else None
-                if isinstance(v, torch.Tensor) and isinstance(seen, DTensor) and \
-                        seen.device_mesh == self.mesh and id(v) not in self._manual and \
-                        all(type(p) is Replicate for p in seen.placements):
-                    self.replicated_outputs.add(k)
-        return super().output(target, args, kwargs)
 
     def call_function(self, target, args, kwargs):
         if target is DTensor.from_local:
@@ -482,7 +460,6 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
         primals = [_global_fake(fake_mode, i, example_inputs[i.index]) for i in tensor_infos]
 
     local_outputs: set[str] = set()
-    replicated_outputs: set[int] = set()
     manual_nodes: set[str] = set()
     manual_inputs: set[int] = set()
 
@@ -498,7 +475,6 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
         with torch.fx.traceback.preserve_node_meta():
             out = interp.run(*args)
         local_outputs.update(interp.local_outputs)
-        replicated_outputs.update(interp.replicated_outputs)
         manual_nodes.update(interp.manual_nodes)
         manual_inputs.update(interp.manual_inputs)
         return out
@@ -564,12 +540,6 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
                    if isinstance(a, fx.Node) and a.name in manual_nodes]
     local = sorted(set(manual_outs) | {i for i, a in enumerate(out_args)
                                        if isinstance(a, fx.Node) and a.name in local_outputs})
-    if mesh is not None and replicated_outputs:
-        from inductor_passes.sharding.placements import OUTPUT_PLACEMENTS, replicate
-
-        joint_gm.graph.output_node().meta[OUTPUT_PLACEMENTS] = tuple(
-            replicate(mesh.ndim) if i in replicated_outputs and i not in local else None
-            for i in range(len(flat_outs)))
     if manual_nodes or manual_inputs:
         from .manual import mark_manual
 

@@ -162,21 +162,6 @@ def is_uneven(shape: Sequence[int], placements: Placements, mesh_shape: Sequence
                for a, p in enumerate(placements))
 
 
-# Meta key on a joint graph's output node: per forward output, the placements it must leave in
-# (None: the planner's choice, made ``returnable``). Set by capture for outputs eager DTensor
-# returns replicated.
-OUTPUT_PLACEMENTS = "dist_output_placements"
-
-
-def required_output(output_node, i: int, produced: Placements, shape: Sequence[int],
-                    mesh_shape: Sequence[int]) -> Placements:
-    """Where forward output ``i`` of the joint graph must land, given where it was produced."""
-    pinned = output_node.meta.get(OUTPUT_PLACEMENTS) or ()
-    if i < len(pinned) and pinned[i] is not None:
-        return pinned[i]
-    return returnable(shape, produced, mesh_shape)
-
-
 def returnable(shape: Sequence[int], placements: Placements,
                mesh_shape: Sequence[int]) -> Placements:
     """The layout a forward output leaves the program in, from the one it was produced in:

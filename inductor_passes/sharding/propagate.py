@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import Partial
 
 from .cost import axis_weights, redistribute_cost
 from .placements import (Placements, fmt, is_placements, is_split, nbytes, nonpartial, replicate,
-                         required_output, strided_factors)
+                         returnable, strided_factors)
 from .rules import GETITEM, OpSpec, Strided, node_cost, op_strategy, replicated_spec, tensor_args
 
 log = logging.getLogger("dynamo_dist.sharding")
@@ -98,9 +98,8 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
 
     ``primal_placements[i]``: the fixed placement of placeholder ``primals_{i+1}``;
     ``grad_placements[i]``: where the gradient of primal i must land (None: no gradient).
-    Forward outputs land where ``placements.required_output`` says: never Partial nor
-    unevenly split, and replicated where capture recorded that eager returns them replicated
-    (``OUTPUT_PLACEMENTS`` on the output node); each cotangent arrives in its output's.
+    Forward outputs land where ``placements.returnable`` says (never Partial nor unevenly
+    split); each cotangent arrives in its output's placement.
 
     A single greedy walk cannot see that a redistribute it avoids at one consumer will be paid at
     a later one. So the walk is repeated ``rounds`` times, each round treating the redistributes
@@ -278,7 +277,7 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
         out_cost += edge_cost(o, env[o], want)
     nodes[ilp.output.name] = NodePlan(
         ilp.output.name, "output", tuple(out_inputs), None, "output", out_cost, 1,
-        "forward outputs reduced, evenly split or as eager; gradients in their parameter's "
+        "forward outputs reduced and evenly split; gradients in their parameter's "
         "placement")
     ndim = len(mesh_shape)
     return Plan(mesh_shape, tuple(mesh.mesh_dim_names or [f"axis{i}" for i in range(ndim)]),
@@ -410,8 +409,7 @@ class _Walk:
         final: list[Placements | None] = []
         for o in outs[:self.num_fwd_outputs]:
             if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
-                final.append(required_output(output_node, len(final), env[o],
-                                             tuple(o.meta["val"].shape), tuple(mesh_shape)))
+                final.append(returnable(tuple(o.meta["val"].shape), env[o], tuple(mesh_shape)))
             else:
                 final.append(None)
         for node, j in zip(tangents, self.diff_outputs):
@@ -435,7 +433,7 @@ class _Walk:
         total += out_cost
         nodes[output_node.name] = NodePlan(
             output_node.name, "output", tuple(out_inputs), None, "output", out_cost, 1,
-            "forward outputs reduced, evenly split or as eager; gradients in their parameter's "
+            "forward outputs reduced and evenly split; gradients in their parameter's "
             "placement")
         return _WalkResult(nodes, fallbacks, paid, total)
 

@@ -17,9 +17,8 @@ Variables and constraints, each built by the function named:
 Objective (``_objective``): sum of redistribute cost * y (cost.redistribute_cost, parameters'
 gathers priced with the memory factor) + what each OpSpec costs itself (rules.node_cost: matmul,
 fused-attention and convolution compute per rank, collectives inside an op) + the cost of
-bringing each graph output to its required placement (forward outputs: ``required_output``,
-never Partial nor unevenly split, replicated where eager returns them replicated; gradients in
-their parameter's placement). Solved with HiGHS through scipy.optimize.milp.
+bringing each graph output to its required placement (forward outputs: ``returnable``, never
+Partial nor unevenly split; gradients in their parameter's placement). Solved with HiGHS through scipy.optimize.milp.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch.fx as fx
 
-from .placements import (Placements, is_placements, replicate, required_output,
-                         strided_factors)
+from .placements import Placements, is_placements, replicate, returnable, strided_factors
 from .rules import (GETITEM, OpSpec, Strided, has_node_cost, node_cost, op_strategy,
                     replicated_spec, tensor_args)
 from .rules.strided import NONE as NO_STRIDED
@@ -345,6 +343,6 @@ class ShardingILP:
             val = self.outs[i].meta.get("val") if isinstance(self.outs[i], fx.Node) else None
             if not is_placements(produced) or val is None:
                 return replicate(ndim)
-            return required_output(self.output, i, produced, tuple(val.shape), self.mesh_shape)
+            return returnable(tuple(val.shape), produced, self.mesh_shape)
         g = self.grad_placements[i - self.num_fwd_outputs]
         return g if g is not None else replicate(ndim)
