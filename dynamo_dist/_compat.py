@@ -292,22 +292,9 @@ def install_dynamo_tracing_fallback() -> None:
                 return _inplace_keeping_placements(prop, op_schema, replicated, exc)
         if data_dependent(op_schema.op, op_schema.args_schema, op_schema.kwargs_schema):
             raise _data_dependent_error(op_schema)
-        # DTensor's own choice first: user code that reads ``.placements`` (or passes them on,
-        # or to_local()s) while Dynamo traces sees what it would see eagerly, and branches the
-        # same way (torchtitan asserts an output's placements, and local_map reads them)
-        # Only for ops with a strategy of their own: for the others (SDPA on CPU) DTensor
-        # searches strategies through the op's decomposition, which took ~50 s per SDPA.
-        if op_schema.op is torch.ops.aten.cat.default:
-            own = _cat_skipping_legacy_empties(original, op_schema)
-            if own is not None:
-                return own
-        if _has_own_strategy(prop, op_schema.op):
-            try:
-                own = original(op_schema)
-                if _redistribution_applies(own):
-                    return own
-            except Exception:  # noqa: BLE001 -- any failure: the replicated reading below
-                pass
+        own = _eager_choice(prop, original, op_schema)
+        if own is not None:
+            return own
         rep = _replicated_schema(op_schema, replicated)
         state["substituted"] = True
         try:
@@ -377,6 +364,26 @@ def _has_own_strategy(prop, op) -> bool:
     in these three tables)."""
     return any(op in getattr(prop, table, {}) for table in
                ("op_single_dim_strategy_funcs", "op_strategy_funcs", "op_to_rules"))
+
+
+def _eager_choice(prop, original, op_schema):
+    """DTensor's own propagation of ``op_schema``, or None where it cannot run while Dynamo
+    traces. Tried first, so user code that reads ``.placements`` (or passes them on, or
+    to_local()s) sees what it would see eagerly and branches the same way (torchtitan asserts
+    an output's placements, and local_map reads them). Only for ops with a strategy of their
+    own: for the others (SDPA on CPU) DTensor searches strategies through the op's
+    decomposition, which took ~50 s per SDPA."""
+    if op_schema.op is torch.ops.aten.cat.default:
+        own = _cat_skipping_legacy_empties(original, op_schema)
+        if own is not None:
+            return own
+    if not _has_own_strategy(prop, op_schema.op):
+        return None
+    try:
+        own = original(op_schema)
+    except Exception:  # noqa: BLE001 -- any failure: the caller's replicated reading
+        return None
+    return own if _redistribution_applies(own) else None
 
 
 def _cat_skipping_legacy_empties(original, op_schema):
@@ -940,13 +947,55 @@ def functorch_config_patch(**entries) -> contextlib.AbstractContextManager:
 
 def dynamo_static_shapes() -> tuple[contextlib.AbstractContextManager, bool]:
     """(a context in which Dynamo specialises every size and never turns one symbolic, whether
-    the caller had asked for dynamic shapes: ``dynamic=True``). The settings are the ones
+    the caller had asked for dynamic shapes). The settings are the ones
     ``torch.compile(dynamic=False)`` patches (checked on torch 2.11 and 2.13); a size marked
-    with ``torch._dynamo.mark_dynamic`` stays symbolic."""
+    with ``torch._dynamo.mark_dynamic`` stays symbolic. Where they are already in force (Dynamo
+    patched them for ``dynamic=False``) the context does nothing: Dynamo exits its per-call
+    hooks in the order it entered them, so a second patch of the same settings would restore
+    last and leave Dynamo's values in the process."""
     from torch._dynamo import config
 
     asked = not config.assume_static_by_default
+    if not asked and not config.automatic_dynamic_shapes:
+        return contextlib.nullcontext(), False
     return config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), asked
+
+
+def install_static_shapes_for_dist(on_dynamic: Callable[[], None]) -> None:
+    """``torch.compile`` / ``torch._dynamo.optimize`` with a backend marked
+    ``_dynamo_dist_backend`` (by name, as a function, or inside the ``options=`` wrapper) is
+    made ``dynamic=False``, which Dynamo itself patches and restores around each call
+    (``on_dynamic`` is called when the caller had asked for ``dynamic=True``). A
+    ``backend_ctx_ctor`` patching the same settings under ``dynamic=True`` left
+    ``assume_static_by_default=False`` in the process: every later compile, of any backend,
+    went dynamic. Idempotent (checked on torch 2.11 and 2.13)."""
+    from torch._dynamo import eval_frame
+
+    original = eval_frame._optimize
+    if getattr(original, "_dynamo_dist_patch", False):
+        return
+
+    def is_dist(backend) -> bool:
+        if isinstance(backend, str):
+            try:
+                from torch._dynamo.backends.registry import lookup_backend
+
+                backend = lookup_backend(backend)
+            except Exception:  # noqa: BLE001 -- an unknown name: Dynamo reports it
+                return False
+        backend = getattr(backend, "compiler_fn", backend)  # torch.compile's options= wrapper
+        return bool(getattr(backend, "_dynamo_dist_backend", False))
+
+    @functools.wraps(original)
+    def _optimize(rebuild_ctx, backend="inductor", **kwargs):
+        if kwargs.get("dynamic") is not False and is_dist(backend):
+            if kwargs.get("dynamic"):
+                on_dynamic()
+            kwargs["dynamic"] = False
+        return original(rebuild_ctx, backend, **kwargs)
+
+    _optimize._dynamo_dist_patch = True
+    eval_frame._optimize = _optimize
 
 
 def install_backend_ctx_with_options() -> None:

@@ -11,6 +11,7 @@ Order of steps (each a small module):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -390,27 +391,34 @@ def _warn_batch_gathers(record: CompileRecord, axes: Sequence[str]) -> None:
 dist_backend._dynamo_dist_backend = True  # how _compat recognises Dynamo tracing for us
 
 
+@functools.cache
+def _warn_dynamic() -> None:
+    log.warning("dynamo_dist: dynamic=True is not planned yet: each distinct input shape is "
+                "compiled with static shapes (one compile per shape, up to Dynamo's "
+                "recompile_limit); pad inputs to a few bucket lengths to bound compiles")
+
+
 def _static_shapes():
-    """Entered by Dynamo around every call of a ``dist``-compiled function
-    (``backend_ctx_ctor``): sizes are specialised, so a new input shape (a longer sequence, the
-    last batch of an epoch, a decode step) recompiles with static shapes instead of tracing a
-    symbolic size. Why: Dynamo traces DTensor dispatch on its example values, and DTensor's
-    C++ dispatch cannot take a plain tensor of symbolic shape next to a DTensor ("Cannot call
-    numel() on tensor with symbolic sizes"); the planner and lowering also price and slice
-    concrete sizes. Each shape is one compile (as with ``torch.compile(dynamic=False)``, up to
-    Dynamo's ``recompile_limit``)."""
+    """Sizes are specialised for ``dist``: a new input shape (a longer sequence, the last batch
+    of an epoch, a decode step) recompiles with static shapes instead of tracing a symbolic
+    size. Why: Dynamo traces DTensor dispatch on its example values, and DTensor's C++ dispatch
+    cannot take a plain tensor of symbolic shape next to a DTensor ("Cannot call numel() on
+    tensor with symbolic sizes"); the planner and lowering also price and slice concrete sizes.
+    Each shape is one compile, up to Dynamo's ``recompile_limit``.
+
+    ``torch.compile(..., backend="dist")`` is made ``dynamic=False``
+    (``_compat.install_static_shapes_for_dist``). This context, Dynamo's ``backend_ctx_ctor``
+    around every call, covers the one compile that resolves ``"dist"`` before this module was
+    imported; it does nothing where Dynamo already specialises."""
     ctx, asked = _compat.dynamo_static_shapes()
-    if asked and not _WARNED_DYNAMIC:
-        _WARNED_DYNAMIC.append(True)
-        log.warning("dynamo_dist: dynamic=True is not planned yet: each distinct input shape is "
-                    "compiled with static shapes (one compile per shape, up to Dynamo's "
-                    "recompile_limit); pad inputs to a few bucket lengths to bound compiles")
+    if asked:
+        _warn_dynamic()
     return ctx
 
 
-_WARNED_DYNAMIC: list[bool] = []
 dist_backend.backend_ctx_ctor = _static_shapes
 _compat.install_backend_ctx_with_options()
+_compat.install_static_shapes_for_dist(_warn_dynamic)
 # Installed when the backend is first resolved (torch.compile looks it up before Dynamo traces),
 # so programs that never call shard_module (DTensors made by hand) get it too; it changes DTensor
 # only while Dynamo traces for this backend.

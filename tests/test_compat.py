@@ -1,5 +1,6 @@
 """The private torch APIs we route through dynamo_dist._compat exist and behave as we rely on."""
 
+import pytest
 import torch
 
 from dynamo_dist import _compat
@@ -119,3 +120,27 @@ def test_inductor_reads_an_in_place_draw_after_it_is_made():
     assert not out.isnan().any()
     torch.testing.assert_close(keep, want_keep)  # on CPU Inductor draws with eager's kernel
     torch.testing.assert_close(out, want_out)
+
+
+@pytest.mark.parametrize("dynamic", [True, False, None])
+def test_dist_compile_leaves_dynamo_shape_settings_as_they_were(fake_mesh, dynamic):
+    """backend="dist" specialises sizes (a dynamic=False compile) and leaves Dynamo's settings
+    as they were: a backend context that patched them too restored them after Dynamo had, and
+    left assume_static_by_default=False in the process after a dynamic=True call (every later
+    compile, of any backend, went dynamic)."""
+    from torch._dynamo import config
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = fake_mesh((2,), ("tp",))
+    before = (config.assume_static_by_default, config.automatic_dynamic_shapes)
+    seen = []
+
+    def f(x):
+        seen.append(tuple(x.shape))
+        return x * 2
+
+    fn = torch.compile(f, backend="dist", dynamic=dynamic, options={"inductor": False})
+    for n in (4, 6):
+        fn(distribute_tensor(torch.randn(n, 8), mesh, [Shard(1)]))
+    assert (config.assume_static_by_default, config.automatic_dynamic_shapes) == before
+    assert all(isinstance(s, int) for shape in seen for s in shape), seen  # never symbolic
