@@ -127,15 +127,22 @@ def foreach_decompositions() -> dict:
             op = getattr(packet, overload)
             if any(a.is_out for a in op._schema.arguments):
                 continue
-            _FOREACH[op] = _per_element(op, per_element, inplace)
+            _FOREACH[op] = _per_element(per_element, inplace)
     return _FOREACH
 
 
 _FOREACH: dict = {}
 
 
-def _per_element(foreach, op, inplace: bool):
-    names = [a.name for a in foreach._schema.arguments]
+def _per_element(op, inplace: bool):
+    """A foreach overload as ``op`` (an overload packet) on each list element. Positionals past
+    the most ``op`` takes are passed by keyword under ``op``'s own names for them
+    (``_foreach_addcmul``'s ``value`` / ``scalars`` -> ``addcmul(..., *, value)``)."""
+    schemas = [getattr(op, o)._schema for o in op.overloads()]
+    widest = max((s for s in schemas if not any(a.is_out for a in s.arguments)),
+                 key=lambda s: sum(not a.kwarg_only for a in s.arguments))
+    positional = sum(not a.kwarg_only for a in widest.arguments)
+    keywords = [a.name for a in widest.arguments if a.kwarg_only]
 
     def run(*args, **kwargs):
         lists = [a for a in (*args, *kwargs.values()) if isinstance(a, (list, tuple))]
@@ -143,15 +150,8 @@ def _per_element(foreach, op, inplace: bool):
         for i in range(len(lists[0])):
             pick = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
             kw = {k: v[i] if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
-            try:
-                outs.append(op(*pick, **kw))
-            except RuntimeError as exc:  # a foreach positional the op takes by keyword only
-                n = next((k for k in range(len(pick) - 1, 0, -1)
-                          if f"takes {k} positional" in str(exc)), None)
-                if n is None:
-                    raise
-                kw.update(zip(names[n:], pick[n:]))
-                outs.append(op(*pick[:n], **kw))
+            kw.update(zip(keywords, pick[positional:]))
+            outs.append(op(*pick[:positional], **kw))
         return None if inplace else outs
     return run
 

@@ -51,6 +51,14 @@ def _ids(batch: int, seq: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
+def _assert_matches(loss, ref_loss, model, ref, rt: SimRuntime, where: str = "") -> None:
+    """The simulated loss and every parameter's gradient match one process's."""
+    assert global_value(loss, rt).item() == pytest.approx(ref_loss.item(), rel=1e-5), where
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(global_value(p.grad, rt), q.grad, rtol=1e-4, atol=1e-6,
+                                   msg=f"{where}{name}")
+
+
 SHAPES = [(4, 8), (4, 12), (4, 16), (4, 8), (3, 10)]  # the last: an epoch's short last batch
 
 
@@ -60,6 +68,9 @@ def test_changing_shapes_train_at_parity(fake_mesh, caplog, dynamic):
     gradients match one process. Dynamo's automatic dynamic shapes (second shape) and
     ``dynamic=True`` both specialise for ``dist``: one compile per distinct shape (4), the
     repeated shape reuses its program, and ``dynamic=True`` says so once."""
+    from dynamo_dist.backend import _warn_dynamic
+
+    _warn_dynamic.cache_clear()  # once per process: an earlier test may have had it
     rt, ref = SimRuntime(), TinyLM()
     model = _sharded(ref, rt, _ids(4, 8, 0))
     compiled = torch.compile(model, backend="dist", options=rt.options(), dynamic=dynamic)
@@ -71,11 +82,9 @@ def test_changing_shapes_train_at_parity(fake_mesh, caplog, dynamic):
                 loss.backward()
             ref_loss = ref(ids)
             ref_loss.backward()
-            assert global_value(loss, rt).item() == pytest.approx(ref_loss.item(), rel=1e-5)
-            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                torch.testing.assert_close(global_value(p.grad, rt), q.grad, rtol=1e-4,
-                                           atol=1e-6, msg=f"step {step}: {name}")
-                p.grad, q.grad = None, None
+            _assert_matches(loss, ref_loss, model, ref, rt, f"step {step}: ")
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
     assert len(compile_records()) == len(set(SHAPES))
     assert [r.step.calls for r in compile_records()] == [2, 1, 1, 1]
     warned = [r for r in caplog.records if "dynamic=True is not planned" in r.getMessage()]
@@ -198,10 +207,7 @@ def test_activation_checkpointing_is_honoured(fake_mesh):
             loss.backward()
         ref_loss = ref(x)
         ref_loss.backward()
-        assert global_value(loss, rt).item() == pytest.approx(ref_loss.item(), rel=1e-5)
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(global_value(p.grad, rt), q.grad, rtol=1e-4, atol=1e-6,
-                                       msg=name)
+        _assert_matches(loss, ref_loss, model, ref, rt)
         record = compile_records()[-1]
         saved[ac], issued[ac] = record.saved_for_backward_bytes(), record.step.joint.issued
         torch._dynamo.reset()
@@ -277,10 +283,7 @@ def test_per_block_compile_trains_like_one_process(fake_mesh, mode):
         loss.backward()
     ref_loss = ref(input_ids=ids, labels=ids).loss
     ref_loss.backward()
-    assert global_value(loss, rt).item() == pytest.approx(ref_loss.item(), rel=1e-5)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(global_value(p.grad, rt), q.grad, rtol=1e-4, atol=1e-6,
-                                   msg=name)
+    _assert_matches(loss, ref_loss, model, ref, rt)
     records = compile_records()
     assert len(records) == (len(layers) if mode == "blocks" else 1)
     # the embedding and the head are replicated: every collective is a decoder layer's

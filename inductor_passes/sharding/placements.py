@@ -166,9 +166,10 @@ def returnable(shape: Sequence[int], placements: Placements,
                mesh_shape: Sequence[int]) -> Placements:
     """The layout a forward output leaves the program in, from the one it was produced in:
     reduced (Partial -> Replicate) and split only where the split is even (an uneven split ->
-    Replicate on that mesh axis). A returned DTensor with uneven or empty pieces (a decode
-    step's logits, sequence length 1, split over the sequence) fails in DTensor's own ops
-    after the graph (2.13's argmax gathers assuming equal pieces)."""
+    Replicate on that mesh axis). User code runs DTensor's own ops on what the graph returns,
+    and some cannot take a rank's empty piece (2.13's argmax/argmin over a split dim reduce each
+    rank's piece locally, and an empty one has no maximum); a decode step's sequence length is
+    1, so its logits split over the sequence would leave one rank nothing."""
     out = list(nonpartial(placements))
     for axis, p in enumerate(out):
         if type(p) is Shard and shape[p.dim] % mesh_shape[axis]:

@@ -18,7 +18,8 @@ Objective (``_objective``): sum of redistribute cost * y (cost.redistribute_cost
 gathers priced with the memory factor) + what each OpSpec costs itself (rules.node_cost: matmul,
 fused-attention and convolution compute per rank, collectives inside an op) + the cost of
 bringing each graph output to its required placement (forward outputs: ``returnable``, never
-Partial nor unevenly split; gradients in their parameter's placement). Solved with HiGHS through scipy.optimize.milp.
+Partial nor unevenly split; gradients in their parameter's placement). Solved with HiGHS
+through scipy.optimize.milp.
 """
 
 from __future__ import annotations
