@@ -971,9 +971,9 @@ def install_static_shapes_for_dist(on_dynamic: Callable[[], None]) -> None:
     went dynamic. Idempotent (checked on torch 2.11 and 2.13)."""
     from torch._dynamo import eval_frame
 
-    original = eval_frame._optimize
-    if getattr(original, "_dynamo_dist_patch", False):
-        return
+    original = getattr(eval_frame, "_optimize", None)
+    if original is None or getattr(original, "_dynamo_dist_patch", False):
+        return  # (a torch without it: the backend context alone specialises sizes)
 
     def is_dist(backend) -> bool:
         if isinstance(backend, str):
