@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import Any, Callable
 
 import torch
@@ -1085,3 +1086,45 @@ def predict_buckets(gm: "torch.fx.GraphModule", cap_mb_by_bucket: Callable[[int]
         if find is not None:
             out[kind] = [len(b) for b in find(gm, cap_mb_by_bucket)]
     return out
+
+
+def inline_nested_compile_regions(gm: "torch.fx.GraphModule") -> "torch.fx.GraphModule":
+    """``gm`` with every ``invoke_subgraph`` (a ``torch.compiler.nested_compile_region`` call)
+    replaced by its body, nested regions included, through torch's own pass
+    (``torch._higher_order_ops.passes.inline_invoke_subgraph``, checked on torch 2.13). The
+    planner then sees the body's ops and plans them like any other code; without this it had
+    no rule for the higher-order op and ran every region replicated, all-gathering its
+    parameters. A copy: Dynamo's graph and its region bodies are left as they were. Returns
+    ``gm`` itself when it has no region. Raises ``DistCompileError`` on a torch without the
+    pass (2.11)."""
+    import copy
+
+    import torch.fx as fx
+
+    hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    calls = 0 if hop is None else sum(
+        len(m.graph.find_nodes(op="call_function", target=hop))
+        for m in gm.modules() if isinstance(m, fx.GraphModule))
+    if not calls:
+        return gm
+    try:
+        from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
+    except ImportError as e:
+        from .errors import DistCompileError
+
+        raise DistCompileError(
+            f"torch {torch.__version__} has no pass to inline nested_compile_region bodies",
+            fix="remove torch.compiler.nested_compile_region, or use torch 2.13") from e
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    root = fx.GraphModule(gm, graph)
+    for name, child in gm.named_children():  # the pass edits region bodies in place
+        if isinstance(child, fx.GraphModule):
+            setattr(root, name, copy.deepcopy(child))
+    inline_invoke_subgraph(root)
+    root.delete_all_unused_submodules()
+    root.recompile()
+    logging.getLogger("dynamo_dist").info(
+        "dynamo_dist: %d nested_compile_region call(s) inlined: their bodies are planned and "
+        "compiled with the rest of the program (each call compiled again)", calls)
+    return root

@@ -238,6 +238,8 @@ def _input_placements(info, mesh) -> tuple[Placements, str | None]:
 def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate: bool = False):
     seconds: dict[str, float] = {}
     t = time.perf_counter()
+    # a nested_compile_region's body is planned as the code it is (issue 17 keeps it whole)
+    gm = _compat.inline_nested_compile_regions(gm)
     # an optimizer's DTensor parameters and state reach us as graph attributes: inputs from here
     gm, attributes = lift_tensor_attributes(gm)
     example_inputs = [*example_inputs, *attributes]

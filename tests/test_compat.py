@@ -144,3 +144,38 @@ def test_dist_compile_leaves_dynamo_shape_settings_as_they_were(fake_mesh, dynam
         fn(distribute_tensor(torch.randn(n, 8), mesh, [Shard(1)]))
     assert (config.assume_static_by_default, config.automatic_dynamic_shapes) == before
     assert all(isinstance(s, int) for shape in seen for s in shape), seen  # never symbolic
+
+
+def test_nested_compile_regions_inlined_on_a_copy():
+    """torch's inline pass (2.13) flattens every region, a region inside one too; Dynamo's own
+    graph keeps its invoke_subgraph calls, and the flat graph computes the same values."""
+    @torch.compiler.nested_compile_region
+    def inner(x):
+        return x.sin() * 2
+
+    @torch.compiler.nested_compile_region
+    def outer(x):
+        return inner(x) + inner(x + 1)
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gm)
+        return gm
+
+    x = torch.randn(4)
+    torch.compile(lambda x: outer(outer(x)), backend=backend, fullgraph=True)(x)
+    torch._dynamo.reset()
+    (gm,) = seen
+    hop = torch.ops.higher_order.invoke_subgraph
+
+    def calls(m):
+        return sum(len(g.graph.find_nodes(op="call_function", target=hop))
+                   for g in m.modules() if isinstance(g, torch.fx.GraphModule))
+
+    before = calls(gm)
+    assert before >= 2
+    flat = _compat.inline_nested_compile_regions(gm)
+    assert calls(flat) == 0 and calls(gm) == before
+    torch.testing.assert_close(flat(x)[0], outer(outer(x)))
+    assert _compat.inline_nested_compile_regions(flat) is flat  # nothing to do

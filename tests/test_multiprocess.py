@@ -10,17 +10,22 @@ from conftest import torchrun
 @pytest.mark.parametrize("model,inductor,extra", [("mlp", "1", ()),
                                                   ("mlp", "1", ("--hidden", "127")),
                                                   ("llama", "0", ("--local-logits",)),
-                                                  ("llama", "0", ("--use-cache",))])
+                                                  ("llama", "0", ("--use-cache",)),
+                                                  ("llama", "1", ("--nested-regions",))])
 def test_two_rank_tp_parity(model, inductor, extra):
     """The Llama run also checks output_plan + return_local_tensor: logits come back as this
     rank's vocabulary shard, a plain tensor equal to that slice of one process's logits. Hidden
     size 127 splits the MLP's weights unevenly (64 and 63 rows), compiled with Inductor.
     ``--use-cache``: transformers' default config, grouped-query attention through the fused
-    kernel (enable_gqa) and the DynamicCache's key/value states returned as DTensors."""
+    kernel (enable_gqa) and the DynamicCache's key/value states returned as DTensors.
+    ``--nested-regions``: the decoder layer class's forward a ``nested_compile_region``, with
+    Inductor: parity, and Megatron's collectives as without it."""
     out = torchrun("train_parity.py", 2, "--model", model, "--mesh", "tp=2",
                    "--inductor", inductor, *extra).stdout
     m = re.search(r"max relative loss difference ([0-9.e+-]+)", out)
     assert m and float(m.group(1)) <= 1e-4, out
+    if "--nested-regions" in extra:  # Megatron on 2 layers, as without the regions
+        assert "LEDGER forward 4 backward 4" in out, out
 
 
 def test_two_rank_fsdp_bucketed_collectives(monkeypatch):

@@ -292,3 +292,72 @@ def test_per_block_compile_trains_like_one_process(fake_mesh, mode):
     kinds = sorted((e.phase, e.kind) for e in entries)
     assert kinds == [("backward", "all_reduce")] * 2 * len(layers) + \
         [("forward", "all_reduce")] * 2 * len(layers), [(e.phase, e.kind, e.cause) for e in entries]
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+    def forward(self, h):
+        return self.down(F.gelu(self.up(h)))
+
+
+class _RegionMLP(_MLP):
+    forward = torch.compiler.nested_compile_region(_MLP.forward)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, mlp: type):
+        super().__init__()
+        self.norm, self.mlp = torch.nn.LayerNorm(32), mlp()
+
+    def forward(self, h):
+        return h + self.mlp(self.norm(h))
+
+
+class _RegionBlock(_Block):  # a region whose body calls another region
+    forward = torch.compiler.nested_compile_region(_Block.forward)
+
+
+class _BlocksLM(torch.nn.Module):
+    def __init__(self, regions: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        block, mlp = (_RegionBlock, _RegionMLP) if regions else (_Block, _MLP)
+        self.blocks = torch.nn.ModuleList([block(mlp) for _ in range(3)])
+        self.head = torch.nn.Linear(32, VOCAB, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for b in self.blocks:
+            h = b(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
+def test_nested_compile_regions_are_planned_like_the_code_they_hold(fake_mesh, caplog):
+    """``torch.compiler.nested_compile_region`` on repeated blocks (and on a module inside
+    them): the planner had no rule for the higher-order op and ran each region replicated,
+    all-gathering every parameter it reads. The bodies are now planned as the code they are:
+    the same collectives as the unmarked model, Megatron's (one all_reduce per MLP forward, one
+    backward), and no fallback. Numerics against one process: test_multiprocess (the simulator's
+    LocalTensor cannot enter Dynamo's region tracing)."""
+    mesh = fake_mesh((2,), ("tp",))
+    ids = _ids(4, 8, 0)
+    ledgers = []
+    for regions in (False, True):
+        model = _BlocksLM(regions)
+        plan = TensorParallelPlanner().build_plan(model, example_inputs=(ids,))
+        shard_module(model, mesh, plan)
+        with caplog.at_level(logging.INFO, logger="dynamo_dist"):
+            torch.compile(model, backend="dist", options={"inductor": False})(ids)
+        record = compile_records()[-1]
+        assert not record.plan.fallbacks, record.plan.fallbacks
+        hop = torch.ops.higher_order.invoke_subgraph
+        assert not record.program.graph_module.graph.find_nodes(op="call_function", target=hop)
+        ledgers.append(sorted((e.phase, e.kind, e.mesh_axis) for e in record.ledger.entries))
+        torch._dynamo.reset()
+    assert ledgers[0] == ledgers[1] == [("backward", "all_reduce", "tp")] * 3 + \
+        [("forward", "all_reduce", "tp")] * 3, ledgers
+    assert any("nested_compile_region call(s) inlined" in r.getMessage() for r in caplog.records)

@@ -67,6 +67,9 @@ def main() -> int:
     ap.add_argument("--use-cache", action="store_true",
                     help="Llama with transformers' default use_cache=True: the forward also "
                          "returns the DynamicCache's key/value states (DTensors), checked too")
+    ap.add_argument("--nested-regions", action="store_true",
+                    help="Llama with every decoder layer a torch.compiler.nested_compile_region; "
+                         "prints the ledger's collectives per phase")
     args = ap.parse_args()
     if args.model == "cnn":
         return train_cnn(args)
@@ -84,6 +87,9 @@ def main() -> int:
         # kernel then sees query heads (8) and key/value heads (4) of different counts
         ref.config.use_cache = args.use_cache
     model = copy.deepcopy(ref)
+    if args.nested_regions:  # as a user marks a repeated block: its class's forward
+        cls = type(model.model.layers[0])
+        cls.forward = torch.compiler.nested_compile_region(cls.forward)
     plan = TensorParallelPlanner().build_plan(model) if "tp" in axes else None
     if "dp" in axes:
         plan = DataParallelPlanner(mesh_axis_size=axes["dp"]).build_plan(model, plan)
@@ -137,6 +143,11 @@ def main() -> int:
         torch.testing.assert_close(full(p).detach(), q.detach(), rtol=1e-4, atol=1e-5, msg=n)
     if dist.get_rank() == 0:
         print(f"PARITY {args.model} {args.mesh}: max relative loss difference {worst:.2e}")
+        from dynamo_dist import compile_records
+
+        ledger = compile_records()[-1].ledger
+        print(f"LEDGER forward {ledger.count(phase='forward')} "
+              f"backward {ledger.count(phase='backward')}")
     dist.barrier()
     dist.destroy_process_group()
     return 0 if worst <= 1e-4 else 1
