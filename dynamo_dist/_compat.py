@@ -1128,3 +1128,19 @@ def inline_nested_compile_regions(gm: "torch.fx.GraphModule") -> "torch.fx.Graph
         "dynamo_dist: %d nested_compile_region call(s) inlined: their bodies are planned and "
         "compiled with the rest of the program (each call compiled again)", calls)
     return root
+
+
+def size_hint(value: "int | torch.SymInt", fallback: int = 0) -> int:
+    """A concrete value for a size that may be symbolic, for estimates only (no guard added):
+    the partitioner's saved RNG state of a checkpointed region (``run_and_save_rng_state``) has
+    a symbolic length. ``fallback`` where there is no hint (checked on torch 2.13; 2.11 reads
+    the node's own hint)."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return int(optimization_hint(value, fallback=fallback))
+    except ImportError:
+        hint = getattr(value.node, "hint", None)
+        return int(hint) if hint is not None else fallback

@@ -60,7 +60,8 @@ class CompileRecord:
         if fw is None:
             return 0
         out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
-        return sum(n.meta["val"].numel() * n.meta["val"].element_size()
+        # a checkpointed region's saved RNG state has a symbolic length: its hint is counted
+        return sum(_compat.size_hint(n.meta["val"].numel()) * n.meta["val"].element_size()
                    for n in out[joint.num_fwd_outputs:]
                    if isinstance(n, fx.Node) and n.op != "placeholder" and
                    isinstance(n.meta.get("val"), torch.Tensor))
