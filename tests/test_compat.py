@@ -179,3 +179,14 @@ def test_nested_compile_regions_inlined_on_a_copy():
     assert calls(flat) == 0 and calls(gm) == before
     torch.testing.assert_close(flat(x)[0], outer(outer(x)))
     assert _compat.inline_nested_compile_regions(flat) is flat  # nothing to do
+
+
+def test_size_hint_reads_a_symbolic_size_without_guarding():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()  # a length as the partitioner's saved RNG state has one
+    n = env.create_symintnode(env.create_symbol(5056, ConstantSource("n")), hint=5056)
+    assert isinstance(n, torch.SymInt)
+    assert _compat.size_hint(n * 2) == 10112 and _compat.size_hint(7) == 7
+    assert not env.guards  # an estimate, not a specialisation
