@@ -54,6 +54,11 @@ def build(size: TitanSize, tp: int, sequence_parallel: bool, device: str = "cpu"
     model = config.build()
     ref = copy.deepcopy(model)
     parallel_dims.device_type = device
+    # torchtitan's trainer sets its process-wide SPMD backend from the job config; its loss
+    # (components/loss.py: vocabulary-parallel cross entropy) asserts it
+    import torchtitan.distributed.utils as dist_utils
+
+    dist_utils.set_spmd_backend("partial_dtensor")
     dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=1, ep=1,
                                       world_size=dist.get_world_size(),
                                       spmd_backend="partial_dtensor")
@@ -75,6 +80,19 @@ def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         logits = logits.full_tensor()
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
                                              ids[:, 1:].flatten())
+
+
+def vocab_parallel_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """torchtitan's own loss as its trainer uses it: ``components/loss.cross_entropy_loss`` on
+    the plan's logits, which leave split over the vocabulary (a DTensor ``Shard(-1)``: its
+    vocabulary-parallel cross entropy on the local pieces, three all_reduces forward and none
+    backward; a plain tensor on one process), summed, over the number of predicted tokens."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    return cross_entropy_loss(logits[:, :-1], ids[:, 1:]) / (ids.shape[0] * (ids.shape[1] - 1))
+
+
+LOSSES = {"gather": loss_of, "parallel": vocab_parallel_loss}
 
 
 def collectives(prof) -> dict[str, int]:

@@ -2,7 +2,10 @@
 ``backend="dist"`` trains 5 AdamW steps at parity with one process, sequence parallel off and
 on, in one graph with no break, issuing no more collectives per step than eager DTensor does
 on the same model (what ``backend="inductor"`` compiles; benchmarks/torchtitan_tp.py measures
-that one). Prints one JSON line per run on rank 0.
+that one). Two losses: the logits gathered then one cross entropy (the model compiled alone),
+and torchtitan's own vocabulary-parallel loss on the split logits, compiled in one graph with
+the model (its local code and all_reduces inside a manual region). Prints one JSON line per
+run on rank 0.
 
 usage: torchrun --nproc-per-node 2 tests/mp/torchtitan_tp.py"""
 
@@ -25,11 +28,10 @@ from dynamo_dist.testing import torchtitan as titan  # noqa: E402
 STEPS = 5
 
 
-def per_step_collectives(run, size, step) -> int:
+def per_step_collectives(step_loss, size, step) -> int:
     ids, pos = titan.batch(size, step)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        titan.loss_of(run(ids, pos), ids).backward()
-    # the loss gathers the logits outside the model (one all_gather for every contestant)
+        step_loss(ids, pos).backward()
     return sum(titan.collectives(prof).values())
 
 
@@ -37,23 +39,35 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     size = titan.TitanSize()
-    for sp in (False, True):
+    for loss_name, sp in (("gather", False), ("gather", True), ("parallel", False),
+                          ("parallel", True)):
         torch._dynamo.reset()
         clear_compile_records()
         ref, model, _ = titan.build(size, tp=2, sequence_parallel=sp)
-        eager = per_step_collectives(model, size, 99)
+        loss_fn = titan.LOSSES[loss_name]
+
+        def eager_loss(ids, pos, model=model, loss_fn=loss_fn):
+            return loss_fn(model(ids, pos), ids)
+
+        eager = per_step_collectives(eager_loss, size, 99)
         model.zero_grad(set_to_none=True)
-        compiled = torch.compile(model, backend="dist")
+        if loss_name == "gather":  # the model alone: the loss gathers its logits outside
+            compiled_model = torch.compile(model, backend="dist")
+
+            def compiled(ids, pos, loss_fn=loss_fn):
+                return loss_fn(compiled_model(ids, pos), ids)
+        else:  # model and loss in one graph
+            compiled = torch.compile(eager_loss, backend="dist")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
         worst = 0.0
         for step in range(STEPS):
             ids, pos = titan.batch(size, step)
-            loss = titan.loss_of(compiled(ids, pos), ids)
+            loss = compiled(ids, pos)
             loss.backward()
             opt.step()
             opt.zero_grad()
-            ref_loss = titan.loss_of(ref(ids, pos), ids)
+            ref_loss = loss_fn(ref(ids, pos), ids)
             ref_loss.backward()
             ref_opt.step()
             ref_opt.zero_grad()
@@ -62,7 +76,8 @@ def main() -> None:
         ours = per_step_collectives(compiled, size, 100)
         opt.zero_grad()
         if rank == 0:
-            print(json.dumps({"sp": sp, "loss_rel": worst, "graphs": len(compile_records()),
+            print(json.dumps({"loss": loss_name, "sp": sp, "loss_rel": worst,
+                              "graphs": len(compile_records()),
                               "breaks": len(graph_break_reasons()), "collectives": ours,
                               "eager_dtensor_collectives": eager}), flush=True)
     dist.destroy_process_group()
