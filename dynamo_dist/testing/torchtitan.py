@@ -9,6 +9,11 @@ dependencies). Two adaptations, neither to the plan:
 - torchtitan picks its mesh device from the machine (``cuda`` when none is found): set to the
   device of the process group's backend.
 
+``dp_shard > 1`` adds torchtitan's FSDP2 (``apply_fsdp_to_decoder``, fp32) over the TP plan;
+gloo has no ``PREMUL_SUM``, so its reductions are plain sums with the mean's division applied
+by FSDP (``set_force_sum_reduction_for_comms`` + ``set_gradient_divide_factor``; with the
+first alone the gradients came out ``dp_shard`` times too large).
+
 Sizes: the debug model as shipped (dim 256, 16 heads, vocab 2048, fused q|k|v, complex RoPE),
 with its first ``layers`` of 6 decoder layers.
 """
@@ -29,10 +34,11 @@ class TitanSize:
     seq: int = 32
 
 
-def build(size: TitanSize, tp: int, sequence_parallel: bool, device: str = "cpu", seed: int = 0):
+def build(size: TitanSize, tp: int, sequence_parallel: bool, device: str = "cpu", seed: int = 0,
+          dp_shard: int = 1):
     """(reference model on one process, the same weights parallelized with torchtitan's plan
-    on a ``tp``-way mesh, the ParallelDims). Needs an initialised process group of ``tp``
-    ranks."""
+    on a ``dp_shard`` x ``tp`` mesh, the ParallelDims). Needs an initialised process group of
+    ``dp_shard * tp`` ranks."""
     import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.models.llama3 as llama3
@@ -59,11 +65,22 @@ def build(size: TitanSize, tp: int, sequence_parallel: bool, device: str = "cpu"
     import torchtitan.distributed.utils as dist_utils
 
     dist_utils.set_spmd_backend("partial_dtensor")
-    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=1, ep=1,
+    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1,
                                       world_size=dist.get_world_size(),
                                       spmd_backend="partial_dtensor")
     dims.build_mesh()
     model.parallelize(dims)
+    if dp_shard > 1:  # FSDP2 over the tp plan, as torchtitan's parallelize_llama applies it
+        from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+        from torch.distributed.fsdp import FSDPModule
+
+        apply_fsdp_to_decoder(model, dims.get_mesh(["fsdp"]), param_dtype=torch.float32,
+                              reduce_dtype=torch.float32, pp_enabled=False)
+        for m in model.modules():  # gloo has no PREMUL_SUM: divide, then sum
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+                m.set_gradient_divide_factor(float(dp_shard))
     return ref, model, dims
 
 
