@@ -159,7 +159,8 @@ def test_torchtitan_llama3_with_its_own_tp_plan():
     assert [(r["loss"], r["sp"]) for r in rows] == [("gather", False), ("gather", True),
                                                     ("parallel", False), ("parallel", True)], out
     for r in rows:
-        assert r["loss_rel"] <= 1e-5 and r["graphs"] == 1 and r["breaks"] == 0, r
+        assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-4, r
+        assert r["graphs"] == 1 and r["breaks"] == 0, r
         assert r["collectives"] < r["eager_dtensor_collectives"], r
 
 
