@@ -23,14 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mp_exit import finish  # noqa: E402
+from parity import full, grad_rel  # noqa: E402
 
 from dynamo_dist import clear_compile_records, compile_records  # noqa: E402
 from dynamo_dist._compat import graph_break_reasons  # noqa: E402
 from dynamo_dist.testing.torchtitan import collectives  # noqa: E402
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def hf_tensor_parallel(model, mesh):
@@ -67,14 +64,13 @@ def main() -> None:
         run = model if contestant == "eager_dtensor" else torch.compile(model, backend="dist")
         loss = run(input_ids=ids, labels=ids).loss
         loss.backward()
-        grad_rel = max(((full(p.grad) - q.grad).abs().max() / q.grad.abs().max()).item()
-                       for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+        grads = grad_rel(model.parameters(), ref.parameters())
         model.zero_grad(set_to_none=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             run(input_ids=ids, labels=ids).loss.backward()
         if dist.get_rank() == 0:
             print(json.dumps({
-                "contestant": contestant, "grad_rel": grad_rel,
+                "contestant": contestant, "grad_rel": grads,
                 "loss_rel": abs(full(loss).item() - ref_loss.item()) / ref_loss.item(),
                 "graphs": len(compile_records()), "breaks": len(graph_break_reasons()),
                 "collectives": sum(collectives(prof).values())}), flush=True)

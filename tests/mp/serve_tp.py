@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mp_exit import finish  # noqa: E402
+from parity import full  # noqa: E402
 
 from dynamo_dist import compile_records  # noqa: E402
 from dynamo_dist.plans import shard_module  # noqa: E402
@@ -26,9 +27,6 @@ from dynamo_dist.testing.zoo.models import MODELS  # noqa: E402
 
 NEW_TOKENS = 8
 
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def main() -> None:
@@ -45,21 +43,21 @@ def main() -> None:
     row = {}
     with torch.no_grad():
         got, want = compiled(input_ids=ids), ref(input_ids=ids)
-        row["no_grad_logits_err"] = (whole(got.logits) - want.logits).abs().max().item()
+        row["no_grad_logits_err"] = (full(got.logits) - want.logits).abs().max().item()
         cache = got.past_key_values.layers[0]
         row["cache_placements"] = [str(p) for p in cache.keys.placements]
         row["cache_local_heads"] = cache.keys.to_local().shape[1]
         row["cache_global_heads"] = cache.keys.shape[1]
     with torch.inference_mode():
         got, want = compiled(input_ids=ids), ref(input_ids=ids)
-        row["inference_mode_logits_err"] = (whole(got.logits) - want.logits).abs().max().item()
+        row["inference_mode_logits_err"] = (full(got.logits) - want.logits).abs().max().item()
     row["forward_compiles"] = len(compile_records())
     # generate() calls model.forward: compile that (the module's __call__ is not what it uses)
     torch._dynamo.reset()
     model.forward = torch.compile(model.forward, backend="dist", options=options)
     prompt = ids[:1]
     tokens = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
-    row["tokens"] = whole(tokens).tolist()
+    row["tokens"] = full(tokens).tolist()
     row["ref_tokens"] = ref.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False).tolist()
     if dist.get_rank() == 0:
         print(json.dumps(row), flush=True)

@@ -19,16 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mp_exit import finish  # noqa: E402
+from parity import full, grad_rel  # noqa: E402
 
 from dynamo_dist import compile_records  # noqa: E402
 from dynamo_dist._compat import graph_break_reasons  # noqa: E402
 from dynamo_dist.testing import torchtitan as titan  # noqa: E402
 
 STEPS = 3
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def main() -> None:
@@ -54,9 +51,7 @@ def main() -> None:
         ref_loss = titan.vocab_parallel_loss(ref(ids, pos), ids)
         ref_loss.backward()
         if step == 0:
-            for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-                err = (full(p.grad) - q.grad).abs().max() / q.grad.abs().max()
-                grad_err = max(grad_err, err.item())
+            grad_err = grad_rel(model.parameters(), ref.parameters())
         opt.step(), opt.zero_grad(), ref_opt.step(), ref_opt.zero_grad()
         mean = full(loss).detach().clone()  # each dp rank's loss is its half's mean
         dist.all_reduce(mean)
@@ -71,7 +66,8 @@ def main() -> None:
         for record in compile_records():
             for e in record.ledger.entries:
                 planned[f"{e.kind}@{e.mesh_axis}"] = planned.get(f"{e.kind}@{e.mesh_axis}", 0) + 1
-        print(json.dumps({"planned": planned, "backend": backend, "loss_rel": loss_err, "grad_rel": grad_err,
+        print(json.dumps({"planned": planned, "backend": backend, "loss_rel": loss_err,
+                          "grad_rel": grad_err,
                           "graphs": len(compile_records()), "breaks": len(graph_break_reasons()),
                           "collectives": sum(counts.values()), "by_op": counts}), flush=True)
     dist.destroy_process_group()

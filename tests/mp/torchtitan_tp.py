@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mp_exit import finish  # noqa: E402
+from parity import grad_rel  # noqa: E402
 
 from dynamo_dist import clear_compile_records, compile_records  # noqa: E402
 from dynamo_dist._compat import graph_break_reasons  # noqa: E402
@@ -68,9 +69,7 @@ def main() -> None:
             ref_loss = loss_fn(ref(ids, pos), ids)
             ref_loss.backward()
             if step == 0:  # AdamW's losses barely see a gradient off by a constant factor
-                grad_rel = max(
-                    ((p.grad.full_tensor() - q.grad).abs().max() / q.grad.abs().max()).item()
-                    for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+                grads = grad_rel(model.parameters(), ref.parameters())
             opt.step(), opt.zero_grad(), ref_opt.step(), ref_opt.zero_grad()
             rel = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
             worst = max(worst, rel)
@@ -78,7 +77,7 @@ def main() -> None:
         opt.zero_grad()
         if rank == 0:
             print(json.dumps({"loss": loss_name, "sp": sp, "loss_rel": worst,
-                              "grad_rel": grad_rel, "graphs": len(compile_records()),
+                              "grad_rel": grads, "graphs": len(compile_records()),
                               "breaks": len(graph_break_reasons()), "collectives": ours,
                               "eager_dtensor_collectives": eager}), flush=True)
     dist.destroy_process_group()
