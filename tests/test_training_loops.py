@@ -294,7 +294,7 @@ def test_per_block_compile_trains_like_one_process(fake_mesh, mode):
         [("forward", "all_reduce")] * 2 * len(layers), [(e.phase, e.kind, e.cause) for e in entries]
 
 
-class _MLP(torch.nn.Module):
+class _PlainMLP(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
@@ -303,11 +303,11 @@ class _MLP(torch.nn.Module):
         return self.down(F.gelu(self.up(h)))
 
 
-class _RegionMLP(_MLP):
-    forward = torch.compiler.nested_compile_region(_MLP.forward)
+class _RegionedMLP(_PlainMLP):
+    forward = torch.compiler.nested_compile_region(_PlainMLP.forward)
 
 
-class _Block(torch.nn.Module):
+class _PlainBlock(torch.nn.Module):
     def __init__(self, mlp: type):
         super().__init__()
         self.norm, self.mlp = torch.nn.LayerNorm(32), mlp()
@@ -316,16 +316,16 @@ class _Block(torch.nn.Module):
         return h + self.mlp(self.norm(h))
 
 
-class _RegionBlock(_Block):  # a region whose body calls another region
-    forward = torch.compiler.nested_compile_region(_Block.forward)
+class _RegionedBlock(_PlainBlock):  # a region whose body calls another region
+    forward = torch.compiler.nested_compile_region(_PlainBlock.forward)
 
 
-class _BlocksLM(torch.nn.Module):
+class _BlockStackLM(torch.nn.Module):
     def __init__(self, regions: bool):
         super().__init__()
         torch.manual_seed(0)
         self.embed = torch.nn.Embedding(VOCAB, 32)
-        block, mlp = (_RegionBlock, _RegionMLP) if regions else (_Block, _MLP)
+        block, mlp = (_RegionedBlock, _RegionedMLP) if regions else (_PlainBlock, _PlainMLP)
         self.blocks = torch.nn.ModuleList([block(mlp) for _ in range(3)])
         self.head = torch.nn.Linear(32, VOCAB, bias=False)
 
@@ -347,7 +347,7 @@ def test_nested_compile_regions_are_planned_like_the_code_they_hold(fake_mesh, c
     ids = _ids(4, 8, 0)
     ledgers = []
     for regions in (False, True):
-        model = _BlocksLM(regions)
+        model = _BlockStackLM(regions)
         plan = TensorParallelPlanner().build_plan(model, example_inputs=(ids,))
         shard_module(model, mesh, plan)
         with caplog.at_level(logging.INFO, logger="dynamo_dist"):
