@@ -3,11 +3,13 @@
 ``backend="dist"`` against ``backend="inductor"`` and eager DTensor on the same model.
 
 Needs ``torchtitan==0.3.0`` (``scripts/env.sh`` installs it without its training-loop
-dependencies). Two adaptations, neither to the plan:
+dependencies). What the harness sets, none of it the plan:
 - attention is torchtitan's ``ScaledDotProductAttention`` (causal): 0.3.0 builds language
   models with FlexAttention only, which has no backward on CPU in torch 2.13;
 - torchtitan picks its mesh device from the machine (``cuda`` when none is found): set to the
-  device of the process group's backend.
+  device of the process group's backend;
+- torchtitan's process-wide SPMD backend (``partial_dtensor``), which its trainer sets from the
+  job config and its loss asserts.
 
 ``dp_shard > 1`` adds torchtitan's FSDP2 (``apply_fsdp_to_decoder``, fp32) over the TP plan;
 gloo has no ``PREMUL_SUM``, so its reductions are plain sums with the mean's division applied
