@@ -23,6 +23,7 @@ TORCH_CHECKED = ("2.11", "2.13")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402,F401
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402,F401
 from torch._guards import TracingContext, tracing, detect_fake_mode  # noqa: E402,F401
+from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols  # noqa: E402,F401
 
 # -- Inductor (2.13) ------------------------------------------------------------------------
 from torch._inductor.compile_fx import compile_fx_inner  # noqa: E402,F401
@@ -135,9 +136,10 @@ def sdpa_takes_math_path(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
         if not isinstance(t, torch.Tensor):
             return t
         device = "cpu" if t.device.type == "meta" else t.device
-        row = torch.empty((1,) * (t.dim() - 1) + tuple(t.shape[-1:]), dtype=t.dtype,
+        shape = [size_hint(s) for s in t.shape]  # symbolic sizes at their hints: no guard
+        row = torch.empty((1,) * (t.dim() - 1) + tuple(shape[-1:]), dtype=t.dtype,
                           device=device, requires_grad=t.requires_grad and t.is_floating_point())
-        return row.expand(t.shape)
+        return row.expand(shape)
 
     kwargs = {"scale": scale, "enable_gqa": enable_gqa} if enable_gqa else {"scale": scale}
     # a question about the call, not part of the program: nothing here is traced or faked
@@ -277,6 +279,13 @@ def install_dynamo_tracing_fallback() -> None:
     def propagate(op_schema):
         if not _dist_tracing():
             return original(op_schema)
+        # DTensor's rules test sizes (a view's divisibility by the mesh axis); on symbolic
+        # sizes each test would become a Dynamo guard, and an odd batch would recompile, for
+        # placements the dist backend does not use (it plans the program itself)
+        with _guards_suppressed():
+            return _propagate_for_dist(op_schema)
+
+    def _propagate_for_dist(op_schema):
         if op_schema.is_inplace_op() or op_schema.is_out_variant_op():
             # the written tensor keeps its own placement (its local fake can't change shape)
             try:
@@ -350,6 +359,14 @@ def install_dynamo_tracing_fallback() -> None:
     # them and deadlock on its own callback lock
     _keep_callbacks(callback_handler, torch.compiler.disable(fresh),
                     torch.compiler.disable(forget))
+
+
+def _guards_suppressed() -> contextlib.AbstractContextManager:
+    """Size tests made in this context are not recorded as guards of the frame Dynamo traces
+    (checked on torch 2.11 and 2.13)."""
+    ctx = TracingContext.try_get()
+    env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
+    return env.suppress_guards() if env is not None else contextlib.nullcontext()
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -946,77 +963,40 @@ def functorch_config_patch(**entries) -> contextlib.AbstractContextManager:
     return config.patch(**{k: v for k, v in entries.items() if hasattr(config, k)})
 
 
-def dynamo_static_shapes() -> tuple[contextlib.AbstractContextManager, bool]:
-    """(a context in which Dynamo specialises every size and never turns one symbolic, whether
-    the caller had asked for dynamic shapes). The settings are the ones
-    ``torch.compile(dynamic=False)`` patches (checked on torch 2.11 and 2.13); a size marked
-    with ``torch._dynamo.mark_dynamic`` stays symbolic. Where they are already in force (Dynamo
-    patched them for ``dynamic=False``) the context does nothing: Dynamo exits its per-call
-    hooks in the order it entered them, so a second patch of the same settings would restore
-    last and leave Dynamo's values in the process."""
+def dynamo_numbers_specialised() -> contextlib.AbstractContextManager:
+    """A context in which Dynamo specialises Python ints and floats (a new value recompiles)
+    whatever ``dynamic=`` says; tensor sizes follow ``dynamic=`` as usual (checked on torch
+    2.11 and 2.13)."""
     from torch._dynamo import config
 
-    asked = not config.assume_static_by_default
-    if not asked and not config.automatic_dynamic_shapes:
-        return contextlib.nullcontext(), False
-    return config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), asked
-
-
-def install_static_shapes_for_dist(on_dynamic: Callable[[], None]) -> None:
-    """``torch.compile`` / ``torch._dynamo.optimize`` with a backend marked
-    ``_dynamo_dist_backend`` (by name, as a function, or inside the ``options=`` wrapper) is
-    made ``dynamic=False``, which Dynamo itself patches and restores around each call
-    (``on_dynamic`` is called when the caller had asked for ``dynamic=True``). A
-    ``backend_ctx_ctor`` patching the same settings under ``dynamic=True`` left
-    ``assume_static_by_default=False`` in the process: every later compile, of any backend,
-    went dynamic. Idempotent (checked on torch 2.11 and 2.13)."""
-    from torch._dynamo import eval_frame
-
-    original = getattr(eval_frame, "_optimize", None)
-    if original is None or getattr(original, "_dynamo_dist_patch", False):
-        return  # (a torch without it: the backend context alone specialises sizes)
-
-    def is_dist(backend) -> bool:
-        if isinstance(backend, str):
-            try:
-                from torch._dynamo.backends.registry import lookup_backend
-
-                backend = lookup_backend(backend)
-            except Exception:  # noqa: BLE001 -- an unknown name: Dynamo reports it
-                return False
-        backend = getattr(backend, "compiler_fn", backend)  # torch.compile's options= wrapper
-        return bool(getattr(backend, "_dynamo_dist_backend", False))
-
-    @functools.wraps(original)
-    def _optimize(rebuild_ctx, backend="inductor", **kwargs):
-        if kwargs.get("dynamic") is not False and is_dist(backend):
-            if kwargs.get("dynamic"):
-                on_dynamic()
-            kwargs["dynamic"] = False
-        return original(rebuild_ctx, backend, **kwargs)
-
-    _optimize._dynamo_dist_patch = True
-    eval_frame._optimize = _optimize
+    return config.patch(specialize_int=True, specialize_float=True)
 
 
 def install_backend_ctx_with_options() -> None:
     """``torch.compile(backend=..., options=...)`` wraps the backend in ``_TorchCompileWrapper``,
     which hides the backend's ``backend_ctx_ctor`` from Dynamo (without options Dynamo finds
-    it). Forward it for backends marked ``_dynamo_dist_backend`` only; others are unchanged.
-    Idempotent (checked on torch 2.11 and 2.13)."""
-    cls = torch._TorchCompileWrapper
-    if getattr(cls, "_dynamo_dist_ctx", False):
+    it: ``WrapBackendDebug`` copies the backend function's ``__dict__``). Forward it for
+    backends marked ``_dynamo_dist_backend`` only, on the wrapper instance, when
+    ``eval_frame._optimize`` receives it: that runs after ``"dist"`` was resolved (and this
+    module imported), so the first compile is covered too (a patched wrapper ``__init__``
+    missed it: its Python numbers were not specialised). Idempotent (checked on torch 2.11 and
+    2.13)."""
+    from torch._dynamo import eval_frame
+
+    original = getattr(eval_frame, "_optimize", None)
+    if original is None or getattr(original, "_dynamo_dist_ctx", False):
         return
-    original = cls.__init__
 
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        fn = self.compiler_fn
-        if getattr(fn, "_dynamo_dist_backend", False) and hasattr(fn, "backend_ctx_ctor"):
-            self.backend_ctx_ctor = fn.backend_ctx_ctor
+    @functools.wraps(original)
+    def _optimize(rebuild_ctx, backend="inductor", **kwargs):
+        fn = getattr(backend, "compiler_fn", None)
+        if isinstance(backend, torch._TorchCompileWrapper) and \
+                getattr(fn, "_dynamo_dist_backend", False) and hasattr(fn, "backend_ctx_ctor"):
+            backend.backend_ctx_ctor = fn.backend_ctx_ctor
+        return original(rebuild_ctx, backend, **kwargs)
 
-    cls.__init__ = __init__
-    cls._dynamo_dist_ctx = True
+    _optimize._dynamo_dist_ctx = True
+    eval_frame._optimize = _optimize
 
 
 def reported_output_strides():
@@ -1144,3 +1124,88 @@ def size_hint(value: "int | torch.SymInt", fallback: int = 0) -> int:
     except ImportError:
         hint = getattr(value.node, "hint", None)
         return int(hint) if hint is not None else fallback
+
+
+def static_size(size: "int | torch.SymInt") -> int | None:
+    """``size`` as an int where it is one or its ShapeEnv has fixed it (a guard made it
+    equal to a number), else None (checked on torch 2.11 and 2.13)."""
+    if isinstance(size, int):
+        return size
+    return size.node.maybe_as_int()
+
+
+def has_symbolic_shape(t: torch.Tensor) -> bool:
+    return any(static_size(s) is None for s in t.shape)
+
+
+def install_symbolic_plain_tensor_wrapping() -> bool:
+    """While Dynamo traces for ``dist`` with symbolic sizes, a plain tensor of symbolic shape
+    that meets a DTensor in one call enters it as a replicated DTensor, as implicit replication
+    would read it. DTensor's C++ dispatch reads a plain argument's ``numel()`` and cannot on a
+    symbolic shape ("Cannot call numel() on tensor with symbolic sizes/strides"). Dynamo runs
+    each traced call on fake values in ``torch._dynamo.utils.run_node``; the wrapping is a
+    TorchFunctionMode around that call only (checked on torch 2.11 and 2.13). Idempotent;
+    returns False where Dynamo has no such function."""
+    from torch._dynamo import utils as dynamo_utils
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Replicate
+    from torch.overrides import TorchFunctionMode
+
+    original = getattr(dynamo_utils, "run_node", None)
+    if original is None:
+        return False
+    if getattr(original, "_dynamo_dist_patch", False):
+        return True
+
+    class _ReplicateSymbolicPlain(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            flat = pytree.tree_leaves((args, kwargs))
+            mesh = next((a.device_mesh for a in flat if isinstance(a, DTensor)), None)
+            if mesh is not None and any(isinstance(a, torch.Tensor) and
+                                        not isinstance(a, DTensor) and has_symbolic_shape(a)
+                                        for a in flat):
+                def enter(a):
+                    return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim,
+                                              run_check=False)
+                args, kwargs = pytree.tree_map_only(
+                    torch.Tensor, lambda a: a if isinstance(a, DTensor) else enter(a),
+                    (args, kwargs))
+            return func(*args, **kwargs)
+
+    @functools.wraps(original)
+    def run_node(tracer, node, args, kwargs, nnmodule):
+        if not dist_backend_is_tracing():
+            return original(tracer, node, args, kwargs, nnmodule)
+        with _ReplicateSymbolicPlain():
+            return original(tracer, node, args, kwargs, nnmodule)
+
+    run_node._dynamo_dist_patch = True
+    dynamo_utils.run_node = run_node
+    return True
+
+
+def guard_equal(size: "torch.SymInt", value: int) -> None:
+    """Guard ``size == value`` in its ShapeEnv: Dynamo, which owns that ShapeEnv, re-checks it
+    on every call and recompiles when it fails (checked on torch 2.11 and 2.13)."""
+    if not bool(size == value):  # bool() of a symbolic comparison records it as a guard
+        raise AssertionError(f"{size} is not {value} where it was traced")
+
+
+def baddbmm_self_expanded(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``baddbmm(self, batch1, batch2)`` arguments (positional or by name; returned positional
+    where changed) with ``self`` expanded to the output shape
+    where its sizes are symbolic and it broadcasts: the op's meta function expands it through
+    a kernel that takes only concrete sizes ("SymIntArrayRef expected to contain only concrete
+    integers", torch 2.13; Bloom's ALiBi scores hit it), while an expand beforehand traces. The
+    values are the same."""
+    bound = dict(zip(("self", "batch1", "batch2"), args))
+    bound.update({"self" if k == "input" else k: v for k, v in kwargs.items()})
+    x, b1, b2 = bound.pop("self", None), bound.pop("batch1", None), bound.pop("batch2", None)
+    if not all(isinstance(t, torch.Tensor) for t in (x, b1, b2)) or \
+            not any(has_symbolic_shape(t) for t in (x, b1, b2)):
+        return args, kwargs
+    shape = (b1.shape[0], b1.shape[1], b2.shape[2])
+    if tuple(x.shape) == shape:
+        return args, kwargs
+    return (x.expand(shape), b1, b2), bound  # (beta, alpha by keyword)

@@ -28,6 +28,7 @@ from inductor_passes.sharding.placements import Placements, fmt, nbytes, parse
 from inductor_passes.sharding.propagate import Plan, propagate
 
 from . import _compat, agreement, compiled_autograd, plan_cache
+from . import symbolic as symbolic_shapes
 from .agreement import plan_once
 from .annotations import (CONSTRAINT_OP, PIN_ERROR, checked_placements, data_axes, encode_spec,
                           mesh_from_key)
@@ -236,15 +237,19 @@ def _input_placements(info, mesh) -> tuple[Placements, str | None]:
     return pls, msg
 
 
-def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate: bool = False):
+def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate: bool = False,
+             respecialised: bool = False):
     seconds: dict[str, float] = {}
     t = time.perf_counter()
+    dynamo_gm, dynamo_inputs = gm, example_inputs
     # a nested_compile_region's body is planned as the code it is (issue 17 keeps it whole)
     gm = _compat.inline_nested_compile_regions(gm)
     # an optimizer's DTensor parameters and state reach us as graph attributes: inputs from here
     gm, attributes = lift_tensor_attributes(gm)
     example_inputs = [*example_inputs, *attributes]
-    program = trace_joint(gm, example_inputs)
+    program = trace_joint(gm, example_inputs, symbolic=not respecialised)
+    symbolic_shapes.fix_guarded_sizes(program.graph_module)
+    symbolic_sizes = symbolic_shapes.is_symbolic(program.graph_module)
     seconds["capture"] = time.perf_counter() - t
 
     constraints = _constraints(program.graph_module)
@@ -268,19 +273,25 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
                f"plain tensor input {i.name} (a global value on every rank)"
                for i in program.primal_inputs]
     grad_pl = [p if i.requires_grad else None for p, i in zip(primal_pl, program.primal_inputs)]
-    pinned = {node: pl for node, (_, pl) in constraints.items()}
+    pinned = {node.name: pl for node, (_, pl) in constraints.items()}
 
     t = time.perf_counter()
     axes = data_axes(mesh)
 
+    # placements do not depend on sizes: a symbolic program is planned at the sizes Dynamo
+    # traced it with, and lowered and compiled with its sizes symbolic
+    planned_graph = symbolic_shapes.hinted(program.graph_module) if symbolic_sizes else \
+        program.graph_module
+
     def make_plan():
         key = plan_cache.plan_key(
-            program.graph_module, mesh, primals=primal_pl, grads=grad_pl, origins=origins,
-            pinned={n.name: pl for n, pl in pinned.items()}, data_axes=axes,
+            planned_graph, mesh, primals=primal_pl, grads=grad_pl, origins=origins,
+            pinned=pinned, data_axes=axes,
             outputs=(program.num_fwd_outputs, tuple(program.diff_outputs)))
         plan, hit = plan_cache.cached_plan(key, lambda: propagate(
-            program.graph_module, mesh, primal_pl, program.num_fwd_outputs,
-            program.diff_outputs, grad_pl, pinned.get, origins, data_axes=axes))
+            planned_graph, mesh, primal_pl, program.num_fwd_outputs,
+            program.diff_outputs, grad_pl, lambda n: pinned.get(n.name), origins,
+            data_axes=axes))
         if hit:  # propagate() logs a plan's replicated fallbacks; a cached plan's are logged here
             log.info("dynamo_dist: plan read from the plan cache (%s)", key[:12])
             for msg in plan.fallbacks:
@@ -293,6 +304,17 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
         _refuse_other_program(program.graph_module, mine, theirs, mesh)
     plan.fallbacks.extend(msg for _, msg in boundary if msg)
     seconds["plan"] = time.perf_counter() - t
+    split = symbolic_shapes.split_symbolic(program.graph_module, plan) if symbolic_sizes else []
+    if split:  # every rank has this plan, so every rank takes this branch
+        log.info("dynamo_dist: the plan splits dims of symbolic size (%s%s); compiled for the "
+                 "sizes traced (each new shape recompiles)", "; ".join(w for w, _ in split[:3]),
+                 " ..." if len(split) > 3 else "")
+        if respecialised:
+            raise DistCompileError(f"internal: sizes still symbolic after being guarded: "
+                                   f"{split[0][0]}", mesh=mesh)
+        symbolic_shapes.specialise(program.graph_module)
+        agreement.begin_graph()
+        return _compile(dynamo_gm, dynamo_inputs, inductor, simulate, respecialised=True)
 
     has_bwd = torch.is_grad_enabled() and bool(program.diff_outputs) and \
         any(i.requires_grad for i in program.primal_inputs)
@@ -304,11 +326,13 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
         return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd,
                        attributes=attributes)
 
-    # the strides each input's local tensor arrives with (inductor_passes.layout)
+    # the strides each input's local tensor arrives with (inductor_passes.layout); symbolic
+    # ones (Dynamo gives a DTensor's local tensor symbols of its own) are made dense
     coord, mesh_shape = local_coordinate(mesh), tuple(mesh.shape)
     in_strides = [layout.input_local_strides(
         i.shape, i.stride, pl, mesh_shape, coord,
-        i.local_stride if i.kind == "dtensor" and tuple(i.placements) == tuple(pl) else None)
+        i.local_stride if i.kind == "dtensor" and tuple(i.placements) == tuple(pl) and
+        all(_compat.static_size(v) is not None for v in i.local_stride) else None)
         for i, pl in zip(program.primal_inputs, primal_pl)]
 
     t = time.perf_counter()
@@ -394,34 +418,17 @@ def _warn_batch_gathers(record: CompileRecord, axes: Sequence[str]) -> None:
 dist_backend._dynamo_dist_backend = True  # how _compat recognises Dynamo tracing for us
 
 
-@functools.cache
-def _warn_dynamic() -> None:
-    log.warning("dynamo_dist: dynamic=True is not planned yet: each distinct input shape is "
-                "compiled with static shapes (one compile per shape, up to Dynamo's "
-                "recompile_limit); pad inputs to a few bucket lengths to bound compiles")
+def _numbers_specialised():
+    """Dynamo's ``backend_ctx_ctor`` around every call: Python numbers (a float attribute such
+    as ``Embedding.norm_type``, an int argument) are specialised for ``dist`` -- a new value
+    recompiles -- while tensor sizes may be symbolic. Unspecialised, Dynamo passes a changing
+    float as a 0-d tensor read with ``.item()``, a value a plan cannot know."""
+    return _compat.dynamo_numbers_specialised()
 
 
-def _static_shapes():
-    """Sizes are specialised for ``dist``: a new input shape (a longer sequence, the last batch
-    of an epoch, a decode step) recompiles with static shapes instead of tracing a symbolic
-    size. Why: Dynamo traces DTensor dispatch on its example values, and DTensor's C++ dispatch
-    cannot take a plain tensor of symbolic shape next to a DTensor ("Cannot call numel() on
-    tensor with symbolic sizes"); the planner and lowering also price and slice concrete sizes.
-    Each shape is one compile, up to Dynamo's ``recompile_limit``.
-
-    ``torch.compile(..., backend="dist")`` is made ``dynamic=False``
-    (``_compat.install_static_shapes_for_dist``). This context, Dynamo's ``backend_ctx_ctor``
-    around every call, covers the one compile that resolves ``"dist"`` before this module was
-    imported; it does nothing where Dynamo already specialises."""
-    ctx, asked = _compat.dynamo_static_shapes()
-    if asked:
-        _warn_dynamic()
-    return ctx
-
-
-dist_backend.backend_ctx_ctor = _static_shapes
+dist_backend.backend_ctx_ctor = _numbers_specialised
 _compat.install_backend_ctx_with_options()
-_compat.install_static_shapes_for_dist(_warn_dynamic)
+_compat.install_symbolic_plain_tensor_wrapping()
 # Installed when the backend is first resolved (torch.compile looks it up before Dynamo traces),
 # so programs that never call shard_module (DTensors made by hand) get it too; it changes DTensor
 # only while Dynamo traces for this backend.

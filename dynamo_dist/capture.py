@@ -36,8 +36,9 @@ class InputInfo:
     """One graph input as the backend received it.
 
     ``kind`` is "dtensor" (a DTensor: ``placements`` are its own), "tensor" (a plain tensor: a
-    global value present on every rank) or "constant" (a mesh, process group or Python value that
-    is bound into the graph). ``shape`` is the GLOBAL shape.
+    global value present on every rank), "size" (a symbolic size Dynamo passes, read off the
+    tensor inputs) or "constant" (a mesh, process group or Python value that is bound into the
+    graph). ``shape`` is the GLOBAL shape, symbolic where Dynamo traced it so.
     """
 
     index: int
@@ -83,17 +84,20 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
     for i, x in enumerate(example_inputs):
         name = str(names[i]) if i < len(names) else f"arg{i}"
         if isinstance(x, DTensor):
-            infos.append(InputInfo(i, name, "dtensor", tuple(x.shape), x.dtype, x.requires_grad,
-                                   x.device_mesh, tuple(x.placements), tuple(x.stride()),
-                                   tuple(x.to_local().stride())))
+            infos.append(InputInfo(i, name, "dtensor", _sizes(x.shape), x.dtype, x.requires_grad,
+                                   x.device_mesh, tuple(x.placements), _sizes(x.stride()),
+                                   _sizes(x.to_local().stride())))
         elif isinstance(x, torch.Tensor):
             # a plain tensor is a global value; ``spmd.mark_sharding`` may have given it a
             # placement eagerly (each rank then receives its own piece)
             from .spmd import input_annotation
 
             mesh, pls = input_annotation(x) or (None, None)
-            infos.append(InputInfo(i, name, "tensor", tuple(x.shape), x.dtype, x.requires_grad,
-                                   mesh, pls, tuple(x.stride())))
+            infos.append(InputInfo(i, name, "tensor", _sizes(x.shape), x.dtype, x.requires_grad,
+                                   mesh, pls, _sizes(x.stride())))
+        elif isinstance(x, torch.SymInt) and _sizes_of_tensors(x, example_inputs):
+            # a symbolic size (dynamic shapes): the program reads it off its tensor inputs
+            infos.append(InputInfo(i, name, "size"))
         elif isinstance(x, (torch.SymInt, torch.SymFloat)):
             # Dynamo made a Python number that changed between calls a graph input
             raise DistCompileError(
@@ -104,6 +108,50 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
         else:
             infos.append(InputInfo(i, name, "constant"))
     return infos
+
+
+TENSOR_KINDS = ("dtensor", "tensor")
+
+
+def _sizes(values) -> tuple:
+    """Sizes or strides, those a guard fixed (``symbolic.specialise``) as the numbers."""
+    return tuple(v if _compat.static_size(v) is None else _compat.static_size(v)
+                 for v in values)
+
+
+def _sizes_of_tensors(x: torch.SymInt, example_inputs: Sequence[Any]) -> bool:
+    """Every symbol of ``x`` is a size of some tensor input (so a trace on those tensors can
+    compute ``x``; a Python number Dynamo made dynamic is not)."""
+    sizes = set()
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor):
+            for d in t.shape:
+                if isinstance(d, torch.SymInt):
+                    sizes |= d.node.expr.free_symbols
+    return x.node.expr.free_symbols <= sizes
+
+
+def symbolic_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]):
+    """(Dynamo's fake mode, the inputs as Dynamo traced them) when it traced some input size
+    as symbolic (``dynamic=True``, ``mark_dynamic`` or its automatic dynamic shapes), else
+    (None, ``example_inputs``). Dynamo hands the backend real tensors; its fakes, with the
+    symbolic sizes, are the placeholders' example values. Tracing in its mode keeps those sizes
+    symbolic, and the guards a trace adds (a size compared with a number) join Dynamo's."""
+    fakes = list(example_inputs)
+    for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        seen = node.meta.get("example_value")
+        if i < len(fakes) and isinstance(seen, (torch.Tensor, torch.SymInt)):
+            fakes[i] = seen
+    symbolic = False
+    for t in fakes:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if isinstance(local, torch.Tensor) and _compat.has_symbolic_shape(local):
+            if getattr(local, "fake_mode", None) is not None:  # (a LocalTensor holds fakes)
+                return local.fake_mode, fakes
+            symbolic = True
+    mode = _compat.detect_fake_mode([t for t in fakes if type(t) is not DTensor]) \
+        if symbolic else None
+    return (mode, fakes) if mode is not None else (None, example_inputs)
 
 
 def foreach_decompositions() -> dict:
@@ -220,13 +268,19 @@ def find_mesh(infos: Sequence[InputInfo], example_inputs: Sequence[Any]) -> Devi
     return distinct[0][0] if distinct else None
 
 
-def _global_fake(fake_mode, info: InputInfo, x: torch.Tensor) -> torch.Tensor:
+def _global_fake(fake_mode, info: InputInfo, x: torch.Tensor, symbolic: bool) -> torch.Tensor:
     """A fake of the input's GLOBAL value, laid out as it arrived (``info.stride``): the program
     is traced as one device would run it (a transposed or channels-last input keeps its layout,
-    which decompositions and layout-reading ops see)."""
+    which decompositions and layout-reading ops see). ``symbolic``: made in Dynamo's own fake
+    mode, its symbolic sizes kept."""
     local = x.to_local() if isinstance(x, DTensor) else x
-    t = torch.empty_strided(info.shape, info.stride, dtype=info.dtype, device=local.device)
-    t = fake_mode.from_tensor(t, static_shapes=True)
+    if symbolic:
+        with fake_mode:
+            t = torch.empty_strided(info.shape, info.stride, dtype=info.dtype,
+                                    device=local.device)
+    else:
+        t = torch.empty_strided(info.shape, info.stride, dtype=info.dtype, device=local.device)
+        t = fake_mode.from_tensor(t, static_shapes=True)
     return t.requires_grad_(info.requires_grad)
 
 
@@ -272,6 +326,8 @@ class _GlobalInterpreter(fx.Interpreter):
         return out
 
     def call_function(self, target, args, kwargs):
+        if target is torch.baddbmm:
+            args, kwargs = _compat.baddbmm_self_expanded(args, kwargs)
         if target is DTensor.from_local:
             return self._from_local(*args, **kwargs)
         if target is getattr and len(args) == 2 and args[1] in _DTENSOR_METADATA and \
@@ -286,6 +342,8 @@ class _GlobalInterpreter(fx.Interpreter):
             target, a, k), args, kwargs)
 
     def call_method(self, target, args, kwargs):
+        if target == "baddbmm":
+            args, kwargs = _compat.baddbmm_self_expanded(args, kwargs)
         if target in ("redistribute", "full_tensor", "to_local") and args and \
                 isinstance(args[0], torch.Tensor) and id(args[0]) not in self._manual:
             return self._dtensor_call(target, args, kwargs)
@@ -435,14 +493,21 @@ def _tensors(tree) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgram:
+def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                symbolic: bool = True) -> JointProgram:
     """Trace ``gm`` forward+backward on global-shape fake tensors.
 
-    Shapes: every placeholder and node value of the result carries its GLOBAL shape.
+    Shapes: every placeholder and node value of the result carries its GLOBAL shape, symbolic
+    where Dynamo traced a size as symbolic (``dynamic=True``, ``mark_dynamic``, automatic
+    dynamic shapes), in Dynamo's ShapeEnv; with ``symbolic=False`` at the sizes of
+    ``example_inputs`` (the caller has guarded them: ``symbolic.specialise``).
     In-place updates are functionalised; an updated input becomes an extra forward output
     (``mutated_inputs``). Raises DistCompileError when an input that requires grad is updated in
     place, or when a value's shape depends on tensor data.
     """
+    symbolic, example_inputs = symbolic_inputs(gm, example_inputs) if symbolic else \
+        (None, [_compat.static_size(x) if isinstance(x, torch.SymInt) else x
+                for x in example_inputs])
     infos = classify_inputs(gm, example_inputs)
     # Called under no_grad / inference_mode (evaluation, generation, an optimizer step) the
     # program is forward only: no tangents, no gradients, and parameters may be updated in place.
@@ -454,17 +519,20 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> JointProgr
         from .annotations import mesh_key
 
         mesh_key(mesh)  # cached now: read under fake mode it would be data-dependent
-    fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
-    tensor_infos = [i for i in infos if i.kind != "constant"]
+    fake_mode = symbolic or _compat.FakeTensorMode(allow_non_fake_inputs=True)
+    tensor_infos = [i for i in infos if i.kind in TENSOR_KINDS]
     with fake_mode:
-        primals = [_global_fake(fake_mode, i, example_inputs[i.index]) for i in tensor_infos]
+        primals = [_global_fake(fake_mode, i, example_inputs[i.index], symbolic is not None)
+                   for i in tensor_infos]
 
     local_outputs: set[str] = set()
     manual_nodes: set[str] = set()
     manual_inputs: set[int] = set()
 
     def run_forward(*tensors):
-        args = list(example_inputs)
+        # a size input that a guard fixed (symbolic.specialise) is that number from here on
+        args = [_compat.static_size(x) if isinstance(x, torch.SymInt) and
+                _compat.static_size(x) is not None else x for x in example_inputs]
         known, positions = {}, {}
         for k, (info, t) in enumerate(zip(tensor_infos, tensors)):
             args[info.index] = t
@@ -691,7 +759,7 @@ def _check_static(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         vals = node.meta.get("val")
         for v in (vals if isinstance(vals, (tuple, list)) else [vals]):
-            if isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape):
+            if isinstance(v, torch.Tensor) and _compat.has_free_unbacked_symbols(v):
                 raise DistCompileError(
                     f"{node.target} at {node.name} produces a tensor whose shape depends on "
                     f"tensor values ({tuple(v.shape)}); the dist backend plans static shapes",

@@ -14,18 +14,19 @@ placement through ``to_local``'s backward.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from inductor_passes.compile import CompiledJoint
 from inductor_passes.layout import same_layout
 from inductor_passes.sharding.placements import Placements
 
-from . import contract
-from .capture import InputInfo
+from . import _compat, contract
+from .capture import TENSOR_KINDS, InputInfo
 
 log = logging.getLogger("dynamo_dist")
 
@@ -37,7 +38,9 @@ class _DistFunction(torch.autograd.Function):
         n = step.joint.num_fwd_outputs
         saved = outs[n:]
         ctx.step = step
-        ctx.save_for_backward(*saved)
+        # saved sizes (a program with symbolic shapes) are ints, kept beside the tensors
+        ctx.save_for_backward(*[s for s in saved if isinstance(s, torch.Tensor)])
+        ctx.sizes = [(i, s) for i, s in enumerate(saved) if not isinstance(s, torch.Tensor)]
         user = tuple(outs[:n])
         diff = set(step.diff_outputs)
         ctx.mark_non_differentiable(*[o for i, o in enumerate(user)
@@ -52,7 +55,10 @@ class _DistFunction(torch.autograd.Function):
                                "grad when it was compiled)")
         # autograd materialises missing output grads as zeros, so every tangent is a tensor
         tangents = [grads[j].contiguous() for j in step.diff_outputs]
-        res = step.joint.backward([*ctx.saved_tensors, *tangents])
+        saved = list(ctx.saved_tensors)
+        for i, size in ctx.sizes:
+            saved.insert(i, size)
+        res = step.joint.backward([*saved, *tangents])
         return (None, *res)
 
 
@@ -74,13 +80,19 @@ class DistStep:
         self.mesh = mesh
         self.input_placements = list(input_placements)
         self.output_placements = list(output_placements)
-        self.output_shapes = [torch.Size(s) if s is not None else None for s in output_shapes]
-        self.output_strides = list(output_strides) or [None] * len(self.output_shapes)
+        # a symbolic size or stride (dynamic shapes) is read per call: _Symbolic
+        self.output_shapes = [_Symbolic.of(s) if _Symbolic.wanted(s) else s
+                              for s in output_shapes]
+        self.output_shapes = [torch.Size(s) if isinstance(s, tuple) else s
+                              for s in self.output_shapes]
+        self.output_strides = [_Symbolic.of(s) if _Symbolic.wanted(s) else s
+                               for s in output_strides] or [None] * len(self.output_shapes)
         self.diff_outputs = list(diff_outputs)
         # per call: which inputs are tensors, the placement the plan wants for each, and the
         # strides the compiled graph expects for its local tensor
-        tensor_infos = [i for i in self.inputs if i.kind != "constant"]
-        strides = list(input_strides) or [None] * len(tensor_infos)
+        tensor_infos = [i for i in self.inputs if i.kind in TENSOR_KINDS]
+        strides = [_Symbolic.of(s) if _Symbolic.wanted(s) else s for s in input_strides] or \
+            [None] * len(tensor_infos)
         self._tensor_inputs = list(zip(tensor_infos, self.input_placements))
         self._input_strides = strides
         # inputs the program updates in place: their new values are the last forward outputs
@@ -107,6 +119,8 @@ class DistStep:
                 warn_if_annotation_changed(x, info)
                 x = DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim,
                                        run_check=False).redistribute(self.mesh, want).to_local()
+            if isinstance(want_stride, _Symbolic):
+                want_stride = want_stride.dense_strides(x.shape)
             local.append(_restrided(x, want_stride))
         outs = _DistFunction.apply(self, *local)
         self._write_back(args, outs[self.num_user_outputs:])
@@ -115,6 +129,10 @@ class DistStep:
         for o, pl, shape, stride in zip(outs, self.output_placements, self.output_shapes,
                                         self.output_strides):
             if isinstance(o, torch.Tensor) and pl is not None:
+                if isinstance(shape, _Symbolic):
+                    shape = shape.sizes(o.shape, pl, self.mesh.shape)
+                if isinstance(stride, _Symbolic):
+                    stride = stride.dense_strides(shape)
                 o = DTensor.from_local(o, self.mesh, pl, run_check=False, shape=shape,
                                        stride=stride)
             wrapped.append(o)
@@ -148,6 +166,47 @@ class DistStep:
                                                shape=x.shape, stride=x.stride()).full_tensor())
                 else:
                     x.copy_(new)
+
+
+class _Symbolic:
+    """A shape or strides with symbolic entries (a program compiled with dynamic shapes),
+    made concrete per call: a size from the local tensor (the plan splits no symbolic dim:
+    ``dynamo_dist.symbolic``), strides dense in the order the traced ones had."""
+
+    def __init__(self, values) -> None:
+        self.static = [_compat.static_size(v) for v in values]
+        hints = [_compat.size_hint(v) for v in values]
+        self.order = sorted(range(len(hints)), key=lambda d: (-hints[d], d))  # outermost first
+
+    @staticmethod
+    def wanted(values) -> bool:
+        return values is not None and any(isinstance(v, torch.SymInt) for v in values)
+
+    @classmethod
+    def of(cls, values) -> "_Symbolic | tuple[int, ...]":
+        """Where every entry is fixed after all (a guarded size), the plain ints."""
+        out = cls(values)
+        return out if None in out.static else tuple(out.static)
+
+    def sizes(self, local_shape, placements, mesh_shape) -> torch.Size:
+        """The global shape of an output whose local piece has ``local_shape``: a symbolic
+        size split by the plan is a multiple of the mesh axes splitting it (``symbolic``
+        allows no other split), so its pieces are equal."""
+        out = []
+        for d, s in enumerate(self.static):
+            if s is None:
+                s = local_shape[d] * math.prod(
+                    mesh_shape[a] for a, p in enumerate(placements)
+                    if isinstance(p, Shard) and p.dim == d)
+            out.append(s)
+        return torch.Size(out)
+
+    def dense_strides(self, shape) -> tuple[int, ...]:
+        strides, acc = [0] * len(shape), 1
+        for d in reversed(self.order):
+            strides[d] = acc
+            acc *= max(int(shape[d]), 1)
+        return tuple(strides)
 
 
 def _restrided(x: torch.Tensor, stride) -> torch.Tensor:

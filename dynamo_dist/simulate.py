@@ -19,6 +19,7 @@ runs on N simulated ranks with real values.
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -163,30 +164,52 @@ def _pack(values: dict[int, Any]) -> Any:
 class SimulatedJoint:
     """A ``CompiledJoint`` (forward, backward, boxed) over the per-rank local graphs of every
     mesh coordinate: arguments are LocalTensors (one local tensor per rank) or plain tensors
-    (the same on every rank); results are LocalTensors. The graphs run as FX (no Inductor)."""
+    (the same on every rank); results are LocalTensors. The graphs run as FX (no Inductor).
+
+    What each rank's forward saves for its backward stays per rank, behind one token tensor
+    (the one saved value the runtime sees): ranks' partitions may save different values (a
+    symbolic size one rank computes and another does not)."""
 
     def __init__(self, joints: dict, ranks: dict, groups: Groups) -> None:
         self.joints, self.ranks, self.groups = joints, ranks, groups
         first = next(iter(joints.values()))
-        self.num_fwd_outputs, self.num_saved = first.num_fwd_outputs, first.num_saved
+        self.num_fwd_outputs = first.num_fwd_outputs
+        self.num_saved, self.num_saved_sizes = (1 if first.bw_graph is not None else 0), 0
         self.fw_graph, self.bw_graph = first.fw_graph, first.bw_graph
         self.buckets, self.issued = first.buckets, first.issued
         self.backward = self._backward if first.bw_graph is not None else None
+        self._saved: dict[int, dict] = {}
 
     def forward(self, args: list) -> list:
-        return self._run({c: j.fw_graph for c, j in self.joints.items()}, args)
+        outs = self._run({c: j.fw_graph for c, j in self.joints.items()},
+                         {c: [_piece(a, self.ranks[c]) for a in args] for c in self.joints})
+        n = self.num_fwd_outputs
+        user = [_pack({self.ranks[c]: outs[c][k] for c in outs}) for k in range(n)]
+        if self.backward is None:
+            return user
+        token = torch.empty(0)
+        key = id(token)
+        self._saved[key] = {c: outs[c][n:] for c in outs}
+        weakref.finalize(token, self._saved.pop, key, None)  # a backward that never runs
+        return [*user, token]
 
     def _backward(self, args: list) -> list:
-        return self._run({c: j.bw_graph for c, j in self.joints.items()}, args)
+        from inductor_passes.compile import sizes_first
 
-    def _run(self, graphs: dict, args: list) -> list:
+        saved = self._saved.pop(id(args[0]))
+        inputs = {}
+        for c, j in self.joints.items():
+            mine = [*saved[c], *(_piece(a, self.ranks[c]) for a in args[1:])]
+            inputs[c] = sizes_first(mine, j.num_saved - j.num_saved_sizes, j.num_saved_sizes)
+        outs = self._run({c: j.bw_graph for c, j in self.joints.items()}, inputs)
+        n = len(next(iter(outs.values())))
+        return [_pack({self.ranks[c]: outs[c][k] for c in outs}) for k in range(n)]
+
+    def _run(self, graphs: dict, inputs: dict) -> dict:
         from ._compat import disable_local_tensor_mode
 
         with disable_local_tensor_mode(), torch.no_grad():
-            inputs = {c: [_piece(a, self.ranks[c]) for a in args] for c in graphs}
-            outs = run_lockstep(graphs, inputs, self.groups)
-            n = len(next(iter(outs.values())))
-            return [_pack({self.ranks[c]: outs[c][k] for c in graphs}) for k in range(n)]
+            return run_lockstep(graphs, inputs, self.groups)
 
 
 def simulated_joint(gm: fx.GraphModule, plan, mesh, num_fwd_outputs: int,

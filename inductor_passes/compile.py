@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
-from typing import Callable
+from typing import Any, Callable
+
+import torch
 
 import torch.fx as fx
 
@@ -23,7 +25,7 @@ _CACHE_KEY_TAG = "dynamo_dist:mutation-order-1"
 class CompiledJoint:
     """Forward and backward callables of one rank, boxed (they take one list of tensors).
 
-    forward(primals) -> [*forward_outputs, *saved]
+    forward(primals) -> [*forward_outputs, *saved]   (saved: tensors, then sizes)
     backward([*saved, *tangents]) -> one gradient (or None) per primal
     """
 
@@ -38,6 +40,8 @@ class CompiledJoint:
     # per collective kind, how many the compiled graphs issue per call, after bucketing (the
     # partitioner may recompute a collective in the backward, so this can exceed the ledger)
     issued: dict[str, int] = dataclasses.field(default_factory=dict)
+    # of the saved values, how many are sizes (symbolic shapes): the last ones, after the tensors
+    num_saved_sizes: int = 0
 
 
 def _example_inputs(gm: fx.GraphModule) -> list:
@@ -88,6 +92,10 @@ def _restrided(inputs: list, strides: list | None) -> list:
     backward asserts the traced strides and fails on a channels-last convolution output."""
     out = list(inputs)
     for i, stride in enumerate(strides or []):
+        if i < len(out) and any(isinstance(s, torch.SymInt) for s in out[i].stride()):
+            # symbolic strides (dynamic shapes): Inductor reports them at their hints; laying
+            # the fake out with those ints would specialise its sizes to the traced ones
+            continue
         if stride is not None and i < len(out) and tuple(out[i].stride()) != tuple(stride):
             out[i] = out[i].as_strided(out[i].shape, tuple(stride))  # a fake: no data moves
     return out
@@ -118,13 +126,31 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
     num_saved = len(fw_out) - num_fwd_outputs
     check([fw_gm, bw_gm])
     buckets, issued = _buckets([fw_gm, bw_gm], inductor)  # before Inductor rewrites the graphs
+    # the partitioner returns saved sizes (symbolic shapes) after the saved tensors and the
+    # backward takes them first; CompiledJoint's convention is the forward's order
+    sizes = sum(isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.SymInt)
+                for a in fw_out[num_fwd_outputs:])
     forward, fw_strides = _compile(fw_gm, inductor, False, num_fwd_outputs)
-    saved_strides = fw_strides[num_fwd_outputs:] if fw_strides is not None else None
-    bw_inputs = _restrided(_example_inputs(bw_gm), saved_strides)
+    saved_strides = fw_strides[num_fwd_outputs:num_fwd_outputs + num_saved - sizes] \
+        if fw_strides is not None else None
+    bw_inputs = _example_inputs(bw_gm)
+    bw_inputs[sizes:] = _restrided(bw_inputs[sizes:], saved_strides)
     backward, _ = _compile(bw_gm, inductor, True, len(bw_gm.graph.find_nodes(op="output")[0]
                                                        .args[0]), bw_inputs)
-    return CompiledJoint(forward, backward, num_fwd_outputs, num_saved, fw_gm, bw_gm, buckets,
-                         issued)
+    return CompiledJoint(forward, _sizes_first(backward, num_saved - sizes, sizes),
+                         num_fwd_outputs, num_saved, fw_gm, bw_gm, buckets, issued, sizes)
+
+
+def sizes_first(args: list, tensors: int, sizes: int) -> list:
+    """Backward arguments in the forward's order (saved tensors, saved sizes, tangents) ->
+    the order the partitioner gave the backward graph (saved sizes first)."""
+    return [*args[tensors:tensors + sizes], *args[:tensors], *args[tensors + sizes:]]
+
+
+def _sizes_first(backward: Callable, tensors: int, sizes: int) -> Callable:
+    if not sizes:
+        return backward
+    return lambda args: backward(sizes_first(args, tensors, sizes))
 
 
 def _buckets(graphs: list[fx.GraphModule], inductor: bool

@@ -79,7 +79,7 @@ def _local_cuts(node: fx.Node, args: list, np, mesh_shape: Sequence[int]) -> lis
     """``args`` of a split/slice/slice_scatter with the cut offsets made local where the cut dim
     of its first input is block-strided (``rules.strided``: the cuts are block-aligned)."""
     dim_i, cut_is = _CUTS[node.target]
-    size = node.args[0].meta["val"].shape
+    size = _global_shape(node.args[0].meta["val"])
     dim = args[dim_i] if len(args) > dim_i else 0
     dim %= len(size)
     n = next((mesh_shape[a] for a, p in enumerate(np.inputs[0])
@@ -142,14 +142,18 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
     primals = [n for n in placeholders if n.name.startswith("primals")]
     tangents = [n for n in placeholders if n.name.startswith("tangents")]
 
-    fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
+    # a program with symbolic sizes is lowered in the fake mode that made them (Dynamo's): they
+    # stay symbolic in the local graph (the plan splits none of them: dynamo_dist.symbolic)
+    traced = _compat.detect_fake_mode([n.meta.get("val") for n in placeholders])
+    fake_mode = traced if traced is not None and traced.shape_env is not None else \
+        _compat.FakeTensorMode(allow_non_fake_inputs=True)
 
     def local_fake(node: fx.Node) -> torch.Tensor:
         """A primal laid out as the runtime passes it (``layout.input_local_strides``); a
         tangent contiguous (the runtime makes it so)."""
         val = node.meta["val"]
         pls = plan.placement(node.name)
-        shape = local_shape(tuple(val.shape), pls, mesh_shape, coord)
+        shape = local_shape(_global_shape(val), pls, mesh_shape, coord)
         if node in primals:
             k = primals.index(node)
             stride = layout.input_local_strides(
@@ -158,11 +162,13 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
         else:
             stride = layout.contiguous_strides(shape)
         with fake_mode:
-            return torch.empty_strided(shape, stride, dtype=val.dtype, device=val.device)
+            return torch.empty_strided(shape, tuple(map(_fixed, stride)), dtype=val.dtype,
+                                       device=val.device)
 
     def local_joint(primals_in, tangents_in):
         env: dict[fx.Node, Any] = dict(zip(primals, primals_in))
         env.update(zip(tangents, tangents_in))
+        traced = _sizes_from(primals_in)
         cache: dict[tuple[fx.Node, Placements], torch.Tensor] = {}
 
         placements = {n: plan.placement(n.name) for n in gm.graph.nodes if n.name in plan.nodes}
@@ -178,17 +184,19 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 # arguments are right: a replicated local tensor is the global one)
                 if (a, req) not in cache:
                     x = moved(a.args[0], req, consumer, k, phase)
-                    cache[(a, req)] = _LOCAL_IMPL.get(a.target, a.target)(x, *a.args[1:], **a.kwargs)
+                    rest, kw = pytree.tree_map_only(fx.Node, env.__getitem__,
+                                                    (a.args[1:], a.kwargs))  # sizes
+                    cache[(a, req)] = _LOCAL_IMPL.get(a.target, a.target)(x, *rest, **kw)
                 return cache[(a, req)]
             if (a, req) not in cache:
                 def record(kind: str, ax: AxisGroup, t: torch.Tensor) -> None:
                     ledger.add(CollectiveEntry(
-                        kind, ax.name, t.numel() * t.element_size(), consumer.name,
+                        kind, ax.name, _bytes(t), consumer.name,
                         f"input {k} of {consumer.target}: {a.name} {fmt(cur)} -> {fmt(req)}",
                         phase or ("backward" if consumer in bwd else "forward"),
                         user_source(a if consumer.op == "output" else consumer), a.name))
                 cache[(a, req)] = redistribute(env[a], cur, req, axes, record,
-                                               tuple(a.meta["val"].shape))
+                                               traced(tuple(a.meta["val"].shape)))
             return cache[(a, req)]
 
         def in_op_reduce(node: fx.Node):
@@ -196,10 +204,10 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
             def reduce(t: torch.Tensor, cur: Placements, req: Placements, shape) -> torch.Tensor:
                 def record(kind: str, ax: AxisGroup, x: torch.Tensor) -> None:
                     ledger.add(CollectiveEntry(
-                        kind, ax.name, x.numel() * x.element_size(), node.name,
+                        kind, ax.name, _bytes(x), node.name,
                         f"{node.target} over a split dim: partial sums {fmt(cur)} -> {fmt(req)}",
                         "backward" if node in bwd else "forward", user_source(node)))
-                return redistribute(t, cur, req, axes, record, tuple(shape))
+                return redistribute(t, cur, req, axes, record, traced(tuple(shape)))
             return reduce
 
         def lower_node(node: fx.Node) -> None:
@@ -217,13 +225,13 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
             idx = size_arg(node.target)
             if idx is not None and idx < len(args) and is_placements(np.output):
                 args = list(args)
-                args[idx] = list(local_shape(tuple(node.meta["val"].shape), np.output, mesh_shape,
-                                             coord))
+                args[idx] = traced(list(local_shape(_global_shape(node.meta["val"]), np.output,
+                                                    mesh_shape, coord)))
             idx, out_idx = _OUTPUT_SIZE_ARG.get(node.target, (None, None))
             if idx is not None and args[idx] is not None and np.output[out_idx] is not None:
                 args = list(args)
-                args[idx] = list(local_shape(tuple(node.meta["val"][out_idx].shape),
-                                             np.output[out_idx], mesh_shape, coord))
+                args[idx] = traced(list(local_shape(_global_shape(node.meta["val"][out_idx]),
+                                                    np.output[out_idx], mesh_shape, coord)))
             if node.target in _CUTS:
                 args = _local_cuts(node, args, np, mesh_shape)
             target = _LOCAL_IMPL.get(node.target, node.target)
@@ -243,6 +251,13 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 continue
             if node.op != "call_function":
                 continue
+            if isinstance(node.meta.get("val"), (torch.SymInt, int)) and \
+                    node.name not in plan.nodes:
+                # a symbolic size (sym_size, size arithmetic): of an unsplit dim, so the local
+                # value's size is the global one
+                env[node] = node.target(*pytree.tree_map_only(fx.Node, env.__getitem__,
+                                                              node.args), **node.kwargs)
+                continue
             # the local nodes carry the global node's meta: the user's stack trace, and
             # activation checkpointing's recompute tags, which the partitioner reads
             with fx_traceback.set_current_meta(node):
@@ -252,12 +267,14 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
         results = []
         reqs = iter(plan.nodes[output.name].inputs)
         for k, o in enumerate(output.args[0]):
-            if isinstance(o, fx.Node):
+            if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), (torch.SymInt, int)):
+                results.append(env[o])  # a size the program returns (of an unsplit dim)
+            elif isinstance(o, fx.Node):
                 phase = "forward" if k < num_fwd_outputs else "backward"
                 req = next(reqs)
                 out = moved(o, req, output, k, phase)
                 if k < num_fwd_outputs and isinstance(out, torch.Tensor) and is_placements(req):
-                    out = _laid_out(out, o.meta["val"], req, mesh_shape, coord)
+                    out = _laid_out(out, o.meta["val"], req, mesh_shape, coord, traced)
                 results.append(out)
             else:
                 results.append(o)
@@ -278,15 +295,63 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
     return local_gm, ledger
 
 
+def _bytes(t: torch.Tensor) -> int:
+    """Bytes of a local tensor, at the sizes traced where they are symbolic (a ledger figure:
+    comparing a symbolic size would add a guard)."""
+    return _compat.size_hint(t.numel()) * t.element_size()
+
+
+def _fixed(v: torch.SymInt) -> int | torch.SymInt:
+    n = _compat.static_size(v)
+    return v if n is None else n
+
+
+def _global_shape(val: torch.Tensor) -> tuple:
+    """A global value's shape, sizes a guard has fixed as ints (one may be added while this
+    very graph is lowered: arithmetic on a constant SymInt would then have no proxy)."""
+    return tuple(map(_fixed, val.shape))
+
+
+def _sizes_from(primals: Sequence[torch.Tensor]):
+    """A function that rewrites the symbolic sizes in a shape or argument list (read off the
+    GLOBAL graph's values) as arithmetic on this trace's primals' sizes. make_fx finds the
+    value of a symbolic size by its expression; one first seen on a tangent (a gradient of
+    shape [2*s0, ...]) would make a forward view read the tangent, and the forward/backward
+    partition fails. Identity on a program without symbolic sizes."""
+    from torch.utils._sympy.interp import sympy_interp
+    from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+    symbols: dict[Any, torch.SymInt] = {}
+    for t in primals:
+        for d in (t.shape if isinstance(t, torch.Tensor) else ()):
+            if isinstance(d, torch.SymInt) and d.node.expr.is_symbol:
+                symbols.setdefault(d.node.expr, d)
+    if not symbols:  # sizes a guard fixed are numbers from here on
+        return lambda value: pytree.tree_map_only(torch.SymInt, _fixed, value)
+
+    def rebuild(v):
+        if not isinstance(v, torch.SymInt):
+            return v
+        if _compat.static_size(v) is not None:  # a size a guard fixed: the number
+            return _compat.static_size(v)
+        expr = v.node.expr
+        if not expr.free_symbols <= symbols.keys():
+            return v
+        return sympy_interp(PythonReferenceAnalysis, symbols, expr)
+
+    return lambda value: pytree.tree_map(rebuild, value)
+
+
 def _laid_out(out: torch.Tensor, val: torch.Tensor, placements: Placements,
-              mesh_shape: Sequence[int], coord: Sequence[int]) -> torch.Tensor:
+              mesh_shape: Sequence[int], coord: Sequence[int], traced=None) -> torch.Tensor:
     """A forward output's local value in the layout the runtime declares for it (dense, in the
     dim order of the GLOBAL value the program traced: ``layout.output_strides``); a copy only
     where lowering produced another layout (a gathered value is contiguous)."""
-    want, _ = layout.output_strides(tuple(val.shape), val.stride(), placements, mesh_shape, coord)
+    want, _ = layout.output_strides(tuple(map(_fixed, val.shape)), tuple(map(_fixed, val.stride())),
+                                    placements, mesh_shape, coord)
     if layout.same_layout(tuple(out.shape), out.stride(), want):
         return out
-    return torch.ops.prims.copy_strided.default(out, list(want))
+    return torch.ops.prims.copy_strided.default(out, list(traced(want) if traced else want))
 
 
 def _check_local(node: fx.Node, out, placements, mesh_shape: Sequence[int], mesh,
@@ -298,7 +363,7 @@ def _check_local(node: fx.Node, out, placements, mesh_shape: Sequence[int], mesh
     for v, o, p in zip(vals, outs, pls):
         if not isinstance(v, torch.Tensor) or p is None:
             continue
-        want = local_shape(tuple(v.shape), p, mesh_shape, coord)
+        want = local_shape(_global_shape(v), p, mesh_shape, coord)
         if tuple(o.shape) != want:
             raise DistCompileError(
                 f"internal: local shape {tuple(o.shape)} of {node.name} does not match global "

@@ -123,27 +123,39 @@ def test_inductor_reads_an_in_place_draw_after_it_is_made():
 
 
 @pytest.mark.parametrize("dynamic", [True, False, None])
-def test_dist_compile_leaves_dynamo_shape_settings_as_they_were(fake_mesh, dynamic):
-    """backend="dist" specialises sizes (a dynamic=False compile) and leaves Dynamo's settings
-    as they were: a backend context that patched them too restored them after Dynamo had, and
-    left assume_static_by_default=False in the process after a dynamic=True call (every later
-    compile, of any backend, went dynamic)."""
+def test_dist_compile_leaves_dynamo_settings_as_they_were(fake_mesh, dynamic):
+    """backend="dist" traces sizes as ``dynamic=`` says (symbolic under dynamic=True; under
+    automatic dynamic shapes from the second size on) and Python numbers specialised
+    (``dynamo_numbers_specialised``), and leaves Dynamo's settings as they were after each
+    call, for the next compile of any backend."""
     from torch._dynamo import config
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = fake_mesh((2,), ("tp",))
-    before = (config.assume_static_by_default, config.automatic_dynamic_shapes)
-    seen = []
+    from dynamo_dist import compile_records
+    from dynamo_dist.symbolic import is_symbolic
 
-    def f(x):
-        seen.append(tuple(x.shape))
-        return x * 2
+    mesh = fake_mesh((2,), ("tp",))
+    names = ("assume_static_by_default", "automatic_dynamic_shapes", "specialize_int",
+             "specialize_float")
+    before = [getattr(config, k) for k in names]
+
+    lin = torch.nn.Linear(8, 8, bias=False)  # a module's parameter: static sizes
+    lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
+
+    def f(x, scale):  # x: a plain tensor of changing size
+        return lin(x) * scale
 
     fn = torch.compile(f, backend="dist", dynamic=dynamic, options={"inductor": False})
-    for n in (4, 6):
-        fn(distribute_tensor(torch.randn(n, 8), mesh, [Shard(1)]))
-    assert (config.assume_static_by_default, config.automatic_dynamic_shapes) == before
-    assert all(isinstance(s, int) for shape in seen for s in shape), seen  # never symbolic
+    for n, scale in ((5, 2.0), (7, 2.0), (7, 3.0)):
+        fn(torch.randn(n, 8), scale)
+        assert [getattr(config, k) for k in names] == before
+    records = compile_records()
+    # sizes: one program for both under dynamic=True; automatic dynamic recompiles once,
+    # symbolic; a new float recompiles in every mode (it is never a tensor input)
+    assert len(records) == {True: 2, False: 3, None: 3}[dynamic]
+    assert [is_symbolic(r.program.graph_module) for r in records] == \
+        {True: [True, True], False: [False] * 3, None: [False, True, True]}[dynamic]
+    assert all(len(r.program.primal_inputs) == 2 for r in records)
 
 
 def test_nested_compile_regions_inlined_on_a_copy():
@@ -190,3 +202,60 @@ def test_size_hint_reads_a_symbolic_size_without_guarding():
     assert isinstance(n, torch.SymInt)
     assert _compat.size_hint(n * 2) == 10112 and _compat.size_hint(7) == 7
     assert not env.guards  # an estimate, not a specialisation
+
+
+def _symbolic_fakes(*shapes):
+    """Fakes of ``shapes`` with every size symbolic (one ShapeEnv), as Dynamo makes them."""
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+
+    mode = _compat.FakeTensorMode(shape_env=ShapeEnv())
+    return mode, [mode.from_tensor(torch.randn(s), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC] * len(s))) for s in shapes]
+
+
+def test_baddbmm_on_symbolic_sizes_needs_its_input_expanded():
+    """torch 2.13's baddbmm meta expands a broadcast input through a concrete-size kernel and
+    fails on symbolic sizes (Bloom's ALiBi scores); expanded first, it traces. When this starts
+    passing without the workaround, the workaround can go."""
+    mode, (x, q) = _symbolic_fakes((8, 1, 10), (8, 10, 16))
+    with mode:
+        k = torch.empty_strided((x.shape[0], 16, x.shape[2]), (16 * x.shape[2], 1, 16))
+        with pytest.raises(RuntimeError, match="concrete integers"):
+            torch.baddbmm(x, q, k, beta=1.0, alpha=0.25)
+        args, kwargs = _compat.baddbmm_self_expanded((x, q, k), {"beta": 1.0, "alpha": 0.25})
+        out = torch.baddbmm(*args, **kwargs)
+    assert tuple(out.shape) == (x.shape[0], x.shape[2], x.shape[2])
+
+
+def test_a_guarded_size_reads_as_its_number():
+    """``guard_equal`` records the guard in the ShapeEnv (Dynamo re-checks it per call) and from
+    then on ``static_size`` reads the number; an unguarded symbolic size reads None."""
+    _, (x,) = _symbolic_fakes((6, 4))
+    s0, s1 = x.shape
+    assert _compat.static_size(s0) is None and _compat.size_hint(s0) == 6
+    assert _compat.has_symbolic_shape(x)
+    _compat.guard_equal(s0, 6)
+    assert _compat.static_size(s0) == 6 and _compat.static_size(s1) is None
+    assert any("6" in str(g.expr) for g in s0.node.shape_env.guards)
+
+
+def test_numbers_specialised_from_the_first_compile_with_options():
+    """In a fresh process, the ``torch.compile(backend="dist", options=...)`` call that first
+    resolves "dist" (importing the backend) gets the backend's context too: a float argument
+    under dynamic=True is a specialised constant (it was a 0-d tensor read with ``.item()``,
+    refused as data-dependent), and a new value recompiles."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "def f(x, s):\n"
+        "    return x * s\n"
+        "fn = torch.compile(f, backend='dist', options={'inductor': False}, dynamic=True)\n"
+        "a, b = fn(torch.ones(4), 2.0), fn(torch.ones(5), 3.0)\n"
+        "from dynamo_dist import compile_records\n"
+        "print('OK', a.sum().item(), b.sum().item(), len(compile_records()))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert "OK 8.0 15.0" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]

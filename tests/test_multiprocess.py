@@ -11,7 +11,8 @@ from conftest import torchrun
                                                   ("mlp", "1", ("--hidden", "127")),
                                                   ("llama", "0", ("--local-logits",)),
                                                   ("llama", "0", ("--use-cache",)),
-                                                  ("llama", "0", ("--nested-regions",))])
+                                                  ("llama", "0", ("--nested-regions",)),
+                                                  ("llama", "1", ("--dynamic", "--steps", "5"))])
 def test_two_rank_tp_parity(model, inductor, extra):
     """The Llama run also checks output_plan + return_local_tensor: logits come back as this
     rank's vocabulary shard, a plain tensor equal to that slice of one process's logits. Hidden
@@ -19,13 +20,17 @@ def test_two_rank_tp_parity(model, inductor, extra):
     ``--use-cache``: transformers' default config, grouped-query attention through the fused
     kernel (enable_gqa) and the DynamicCache's key/value states returned as DTensors.
     ``--nested-regions``: the decoder layer class's forward a ``nested_compile_region``:
-    parity, and Megatron's collectives as without it."""
+    parity, and Megatron's collectives as without it. ``--dynamic``: ``dynamic=True`` with
+    Inductor, sequence lengths 32, 48, 64, 32 and a last batch of another size: one compile
+    serves all five steps, at parity."""
     out = torchrun("train_parity.py", 2, "--model", model, "--mesh", "tp=2",
                    "--inductor", inductor, *extra).stdout
     m = re.search(r"max relative loss difference ([0-9.e+-]+)", out)
     assert m and float(m.group(1)) <= 1e-4, out
-    if "--nested-regions" in extra:  # Megatron on 2 layers, as without the regions
+    if "--nested-regions" in extra or "--dynamic" in extra:  # Megatron on 2 layers
         assert "LEDGER forward 4 backward 4" in out, out
+    if "--dynamic" in extra:
+        assert "COMPILES 1" in out, out
 
 
 def test_two_rank_fsdp_bucketed_collectives(monkeypatch):
@@ -202,7 +207,8 @@ def test_serving_eval_and_generate_match_one_process():
     """transformers' Llama on 2 gloo ranks (tp): no_grad and inference_mode forwards compile
     forward-only programs at parity, and ``generate`` (greedy, 8 new tokens, DynamicCache)
     through the compiled forward gives one process's tokens, the KV cache split over its
-    key/value heads. Before: the no_grad forward crashed (it expected tangents); then generate
+    key/value heads, in at most 3 compiles (the decode steps share a program with a symbolic
+    cache length). Before: the no_grad forward crashed (it expected tangents); then generate
     failed after the graph (decode-step logits left split over the vocabulary hit DTensor's
     argmax(-1) bug), and the cache's first update read the whole cache as replicated."""
     import json
@@ -213,3 +219,6 @@ def test_serving_eval_and_generate_match_one_process():
     assert row["cache_placements"] == ["S(1)"] and row["cache_local_heads"] * 2 == \
         row["cache_global_heads"], row
     assert row["tokens"] == row["ref_tokens"] and len(row["tokens"][0]) == 8 + 8, row
+    # prefill, the first decode step, then one program with a symbolic cache length (it was a
+    # static compile per step: 8)
+    assert row["generate_compiles"] <= 3, row

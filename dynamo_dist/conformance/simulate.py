@@ -112,6 +112,9 @@ def run_spmd(record, args: Sequence[torch.Tensor], tangents: Sequence[torch.Tens
     """
     program, plan = record.program, record.plan
     mesh_shape = tuple(mesh.shape)
+    from dynamo_dist.symbolic import fix_guarded_sizes
+
+    fix_guarded_sizes(program.graph_module)  # sizes a guard fixed since the program was made
     gm = program.graph_module
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     primals = [n for n in placeholders if n.name.startswith("primals")]

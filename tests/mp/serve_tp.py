@@ -56,7 +56,10 @@ def main() -> None:
     torch._dynamo.reset()
     model.forward = torch.compile(model.forward, backend="dist", options=options)
     prompt = ids[:1]
+    before = len(compile_records())
     tokens = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    # decode steps change the cache length: symbolic from the second step, one program after
+    row["generate_compiles"] = len(compile_records()) - before
     row["tokens"] = full(tokens).tolist()
     row["ref_tokens"] = ref.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False).tolist()
     if dist.get_rank() == 0:

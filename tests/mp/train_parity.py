@@ -4,6 +4,7 @@ the final gradients/parameters with a single-process reference. Exits non-zero o
 import argparse
 import contextlib
 import copy
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,9 @@ def main() -> int:
     ap.add_argument("--use-cache", action="store_true",
                     help="Llama with transformers' default use_cache=True: the forward also "
                          "returns the DynamicCache's key/value states (DTensors), checked too")
+    ap.add_argument("--dynamic", action="store_true",
+                    help="Llama compiled with dynamic=True, step k at sequence length "
+                         "32, 48, 64, 32, then a batch of 4 at 40 (prints COMPILES)")
     ap.add_argument("--nested-regions", action="store_true",
                     help="Llama with every decoder layer a torch.compiler.nested_compile_region; "
                          "prints the ledger's collectives per phase")
@@ -97,8 +101,10 @@ def main() -> int:
         plan = plan.merged(ShardingPlan(output_plan={"logits": {"tp": Shard(2)}},
                                         return_local_tensor=("logits",)))
     shard_module(model, mesh, plan)
-    compiled = torch.compile(model, backend="dist", options={"inductor": bool(args.inductor)})
+    compiled = torch.compile(model, backend="dist", options={"inductor": bool(args.inductor)},
+                             dynamic=True if args.dynamic else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shapes = [(8, 32), (8, 48), (8, 64), (8, 32), (4, 40)]
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     worst = 0.0
     for step in range(args.steps):
@@ -110,7 +116,8 @@ def main() -> int:
             batch = (torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g))
             loss, ref_loss = compiled(*batch), ref(*batch)
         else:
-            ids = token_batch(size, step)
+            ids = token_batch(size, step) if not args.dynamic else token_batch(
+                dataclasses.replace(size, batch=shapes[step][0], seq=shapes[step][1]), step)
             out, ref_out = compiled(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
             loss, ref_loss = out.loss, ref_out.loss
             if args.local_logits:  # this rank's vocabulary shard, as a plain tensor
@@ -148,6 +155,7 @@ def main() -> int:
         ledger = compile_records()[-1].ledger
         print(f"LEDGER forward {ledger.count(phase='forward')} "
               f"backward {ledger.count(phase='backward')}")
+        print(f"COMPILES {len(compile_records())}")
     dist.barrier()
     dist.destroy_process_group()
     return 0 if worst <= 1e-4 else 1
