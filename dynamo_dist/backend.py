@@ -11,7 +11,6 @@ Order of steps (each a small module):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import time

@@ -2,13 +2,14 @@
 with must compute what one device computes, whatever the placements.
 
 The property test draws an op family and random input placements and pins (as
-``test_sharding_properties``), compiles with ``dynamic=True`` on simulated ranks of a 2x2 mesh,
-and calls the program with two different sets of sizes: the first call traces with symbolic
-sizes; the second runs the same program (or, where the plan splits a symbolic dim and those
-sizes were fixed by a guard, a recompile). Both calls' outputs and input gradients are
-compared with one device. A wrong number at the second size is what this file exists to
-catch: a plan made at the traced sizes that only holds for them (Bloom's ALiBi scores once
-were such a case: a block-strided split whose factor was the traced batch size).
+``test_sharding_properties``), compiles with ``dynamic=True`` on a 2x2 ``fake`` mesh, and calls
+the program with two different sets of sizes: the first call traces with symbolic sizes; the
+second runs the same program (or, where the plan splits a symbolic dim and the sizes were
+fixed by a guard, a recompile). Each call's program is then run on every rank side by side
+(``run_spmd``) at that call's sizes, and its outputs and input gradients compared with one
+device. A wrong number at the second size is what this file exists to catch: a plan made at
+the traced sizes that only holds for them (Bloom's ALiBi scores once were such a case: a
+block-strided split whose factor was the traced batch size).
 """
 
 import os
@@ -16,13 +17,13 @@ import os
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dynamo_dist import compile_records, with_sharding_constraint
+from dynamo_dist.conformance.simulate import run_spmd
 from dynamo_dist.symbolic import is_symbolic
 from dynamo_dist.testing.zoo.cell import SimRuntime, global_value
 from inductor_passes.sharding.placements import fmt
-from dynamo_dist.conformance.simulate import run_spmd
 from test_sharding_properties import OPS, _mesh, _placement
 
 DIMS = st.sampled_from([2, 3, 4, 5, 6, 8])
