@@ -273,13 +273,13 @@ def _global_fake(fake_mode, info: InputInfo, x: torch.Tensor, symbolic: bool) ->
     is traced as one device would run it (a transposed or channels-last input keeps its layout,
     which decompositions and layout-reading ops see). ``symbolic``: made in Dynamo's own fake
     mode, its symbolic sizes kept."""
-    local = x.to_local() if isinstance(x, DTensor) else x
+    device = x.device  # (a DTensor's: its local tensor's; read with no dispatch, since a
+    # simulated rank's local tensor holds fakes of another mode)
     if symbolic:
         with fake_mode:
-            t = torch.empty_strided(info.shape, info.stride, dtype=info.dtype,
-                                    device=local.device)
+            t = torch.empty_strided(info.shape, info.stride, dtype=info.dtype, device=device)
     else:
-        t = torch.empty_strided(info.shape, info.stride, dtype=info.dtype, device=local.device)
+        t = torch.empty_strided(info.shape, info.stride, dtype=info.dtype, device=device)
         t = fake_mode.from_tensor(t, static_shapes=True)
     return t.requires_grad_(info.requires_grad)
 
