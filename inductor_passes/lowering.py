@@ -253,10 +253,10 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 continue
             if isinstance(node.meta.get("val"), (torch.SymInt, int)) and \
                     node.name not in plan.nodes:
-                # a symbolic size (sym_size, size arithmetic): of an unsplit dim, so the local
-                # value's size is the global one
-                env[node] = node.target(*pytree.tree_map_only(fx.Node, env.__getitem__,
-                                                              node.args), **node.kwargs)
+                # a size (sym_size, size arithmetic) is a GLOBAL number: rebuilt from the
+                # primals' unsplit sizes, never read off a local value (a dim such as heads x
+                # batch may be split evenly, and its local size is a fraction of it)
+                env[node] = traced(node.meta["val"])
                 continue
             # the local nodes carry the global node's meta: the user's stack trace, and
             # activation checkpointing's recompute tags, which the partitioner reads
