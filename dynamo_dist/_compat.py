@@ -1192,6 +1192,107 @@ def guard_equal(size: "torch.SymInt", value: int) -> None:
         raise AssertionError(f"{size} is not {value} where it was traced")
 
 
+def guard_divisible(size: "torch.SymInt", n: int) -> None:
+    """Guard ``size % n == 0`` in its ShapeEnv (a Dynamo guard, re-checked per call: a size that
+    is not a multiple recompiles; checked on torch 2.11 and 2.13)."""
+    if not bool(size % n == 0):
+        raise AssertionError(f"{size} is not a multiple of {n} where it was traced")
+
+
+def fresh_size_env() -> FakeTensorMode:
+    """A fake mode with a ShapeEnv of its own (sizes made there never guard Dynamo's)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+
+
+def new_size(mode: FakeTensorMode, hint: int, name: str) -> "torch.SymInt | int":
+    """A new backed symbolic size in ``mode``'s ShapeEnv traced at ``hint`` (an int where the
+    ShapeEnv specialises it: 0 and 1). ``name`` labels it in messages only: no guard on it is
+    ever turned into code (checked on torch 2.11 and 2.13)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    env, source = mode.shape_env, ConstantSource(name)
+    symbol = env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
+    return env.create_symintnode(symbol, hint=hint, source=source)
+
+
+def size_of_expr(mode: FakeTensorMode, expr, hint: int) -> "torch.SymInt | int":
+    """A SymInt of ``mode``'s ShapeEnv whose value is the sympy ``expr`` (of its symbols)."""
+    import sympy
+
+    if isinstance(expr, (int, sympy.Integer)) or getattr(expr, "is_number", False):
+        return int(expr)
+    return mode.shape_env.create_symintnode(expr, hint=hint)
+
+
+def foreign_fake_mode(values) -> "FakeTensorMode | None":
+    """The fake mode of the fake tensors in ``values`` where it is not the one the tracing
+    context names (``detect_fake_mode`` would pick the context's: while Dynamo compiles, its
+    own), else None. A local program sized in a ShapeEnv of its own
+    (``dynamo_dist.symbolic.LocalSizes``) must be traced and compiled in its own mode."""
+    mode = next((v.fake_mode for v in values if isinstance(v, torch.Tensor) and
+                 getattr(v, "fake_mode", None) is not None), None)
+    ctx = TracingContext.try_get()
+    return mode if mode is not None and mode is not getattr(ctx, "fake_mode", None) else None
+
+
+def binary_size_arithmetic(gm: "torch.fx.GraphModule") -> None:
+    """Rewrite size arithmetic nodes with more than two arguments (``operator.mul(2, a, b)``)
+    as chains of two-argument ones, in place. make_fx records such a node where it rebuilds
+    a size it was not tracing from the pieces of its sympy expression (``proxy_tensor.
+    _build_proxy_for_sym_expr`` passes all of a product's factors at once), and the node then
+    fails to run ("mul expected 2 arguments, got 3"; checked on torch 2.13)."""
+    import operator
+
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (operator.mul, operator.add) or \
+                len(node.args) <= 2 or node.kwargs:
+            continue
+        def val(a):
+            return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+        with gm.graph.inserting_before(node):
+            acc = node.args[0]
+            for arg in node.args[1:-1]:
+                new = gm.graph.call_function(node.target, (acc, arg))
+                new.meta = {**node.meta, "val": node.target(val(acc), val(arg))}
+                acc = new
+        node.args = (acc, node.args[-1])
+    gm.recompile()
+
+
+def python_dispatcher() -> contextlib.AbstractContextManager:
+    """Ops dispatch through their Python meta functions and decompositions, which keep
+    symbolic sizes; some C++ kernels read ``sizes()`` and fix every size they see
+    (``constant_pad_nd``). AOTAutograd traces in this mode; checked on torch 2.11 and 2.13."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    return enable_python_dispatcher()
+
+
+def symbol_size(like: "torch.SymInt", symbol) -> "torch.SymInt":
+    """A SymInt that is the sympy ``symbol`` of ``like``'s ShapeEnv, with its traced value as
+    hint (a symbol may appear only inside expressions: a DTensor's global ``2*s0``)."""
+    env = like.node.shape_env
+    return env.create_symintnode(symbol, hint=int(env.var_to_val[symbol]))
+
+
+def size_guards(mode: FakeTensorMode) -> list:
+    """The guards ``mode``'s ShapeEnv has recorded, as sympy booleans, oldest first."""
+    return [g.expr for g in mode.shape_env.guards]
+
+
+def add_size_guard(like: "torch.SymInt", expr) -> None:
+    """Record the sympy boolean ``expr`` (of the symbols of ``like``'s ShapeEnv) as a guard
+    there: Dynamo, which owns that ShapeEnv, re-checks it on every call. It must hold at the
+    traced sizes (AssertionError otherwise)."""
+    env = like.node.shape_env
+    if not bool(env.evaluate_expr(expr)):
+        raise AssertionError(f"{expr} does not hold at the traced sizes")
+
+
 def baddbmm_self_expanded(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``baddbmm(self, batch1, batch2)`` arguments (positional or by name; returned positional
     where changed) with ``self`` expanded to the output shape

@@ -317,10 +317,15 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
 
     has_bwd = torch.is_grad_enabled() and bool(program.diff_outputs) and \
         any(i.requires_grad for i in program.primal_inputs)
+    # a symbolic program is lowered on a copy sized in symbols of each rank's pieces; the
+    # guards its trace and Inductor add are Dynamo's once compiled (add_guards)
+    sizes = symbolic_shapes.LocalSizes(program.graph_module, plan) if symbolic_sizes else None
+    lowered = sizes.graph if sizes is not None else program.graph_module
     if simulate:  # FX graphs on LocalTensors: no stride checks, inputs pass as they are
         t = time.perf_counter()
-        joint, ledger = simulated_joint(program.graph_module, plan, mesh,
-                                        program.num_fwd_outputs, has_bwd)
+        joint, ledger = simulated_joint(lowered, plan, mesh, program.num_fwd_outputs, has_bwd)
+        if sizes is not None:
+            sizes.add_guards()
         seconds["lower"] = time.perf_counter() - t
         return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd,
                        attributes=attributes)
@@ -335,8 +340,9 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
         for i, pl in zip(program.primal_inputs, primal_pl)]
 
     t = time.perf_counter()
-    local_gm, ledger = lower(program.graph_module, plan, mesh, program.num_fwd_outputs,
-                             primal_strides=in_strides)
+    local_gm, ledger = lower(lowered, plan, mesh, program.num_fwd_outputs,
+                             primal_strides=in_strides if sizes is None else
+                             [tuple(map(sizes.size, st)) for st in in_strides])
     seconds["lower"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -352,6 +358,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
         seconds["schedule check"] = time.perf_counter() - t0
 
     joint = compile_joint(local_gm, program.num_fwd_outputs, has_bwd, inductor, check)
+    if sizes is not None:
+        sizes.add_guards()
     seconds["inductor"] = time.perf_counter() - t - seconds.get("schedule check", 0.0)
     return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd,
                    in_strides, attributes)

@@ -131,6 +131,22 @@ def _sizes_of_tensors(x: torch.SymInt, example_inputs: Sequence[Any]) -> bool:
     return x.node.expr.free_symbols <= sizes
 
 
+def _traced_size(x: torch.SymInt, tensors: Sequence[torch.Tensor]) -> "torch.SymInt":
+    """A size input as arithmetic on the traced tensors' sizes (make_fx has a proxy only for
+    what it computes from its inputs): a dim that is that size, else a dim ``c * x`` divided by
+    ``c`` -- a DTensor's local size, whose global dim is the mesh axis size times it."""
+    expr = x.node.expr
+    dims = [d for t in tensors for d in t.shape if isinstance(d, torch.SymInt)]
+    for d in dims:
+        if d.node.expr == expr:
+            return d
+    for d in dims:
+        c = d.node.expr / expr
+        if c.is_Integer and c > 0:
+            return d // int(c)
+    return x
+
+
 def symbolic_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]):
     """(Dynamo's fake mode, the inputs as Dynamo traced them) when it traced some input size
     as symbolic (``dynamic=True``, ``mark_dynamic`` or its automatic dynamic shapes), else
@@ -533,6 +549,9 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
         # a size input that a guard fixed (symbolic.specialise) is that number from here on
         args = [_compat.static_size(x) if isinstance(x, torch.SymInt) and
                 _compat.static_size(x) is not None else x for x in example_inputs]
+        for info in infos:
+            if info.kind == "size" and _compat.static_size(args[info.index]) is None:
+                args[info.index] = _traced_size(args[info.index], tensors)
         known, positions = {}, {}
         for k, (info, t) in enumerate(zip(tensor_infos, tensors)):
             args[info.index] = t

@@ -93,9 +93,16 @@ def split_symbolic(gm: fx.GraphModule, plan: Plan) -> list[tuple[str, torch.SymI
             # heads: the batch size).
             n = math.prod(plan.mesh_shape[a] for a, q in enumerate(pls)
                           if is_split(q) and q.dim == p.dim)
-            if is_strided(p) or _compat.static_size(size % n) != 0:
-                found.append((f"{what} {node.name} {tuple(val.shape)} as {fmt(pls)}", size))
-                return
+            if _compat.static_size(size % n) == 0:
+                continue
+            # a batch split over data parallelism: even pieces of size // n while the size is
+            # a multiple of n (guarded: another size recompiles); uneven ones are not planned
+            # symbolically (their pieces differ per rank)
+            if not is_strided(p) and _compat.size_hint(size) % n == 0:
+                _compat.guard_divisible(size, n)
+                continue
+            found.append((f"{what} {node.name} {tuple(val.shape)} as {fmt(pls)}", size))
+            return
 
     for node in gm.graph.nodes:
         np = plan.nodes.get(node.name)
@@ -112,6 +119,122 @@ def split_symbolic(gm: fx.GraphModule, plan: Plan) -> list[tuple[str, torch.SymI
         for a, req in zip(targs, np.inputs):
             check(a, a.meta["val"], req, f"input of {node.name}:")
     return found
+
+
+class LocalSizes:
+    """The global graph again, its sizes written in symbols of a ShapeEnv of its own, so that
+    a dim the plan splits at an input is a symbol of its LOCAL size: a data-parallel batch
+    ``s`` split over ``n`` ranks becomes ``n * b``, and each rank's piece has size ``b``.
+    Lowering traces the local program on this copy (``graph``): its inputs then have sizes
+    Inductor can bind (it binds a symbol from a size that is one, never from ``s // n``), and
+    no op meets a tensor sized by a floor division (``constant_pad_nd``'s fake kernel then
+    fixed the size). ``s`` is guarded a multiple of ``n`` (``split_symbolic``).
+
+    Guards the local trace and Inductor add are on the local symbols; ``add_guards`` writes
+    each into Dynamo's ShapeEnv with ``b = s // n`` (and the range a new symbol assumes,
+    ``b >= 2``), so Dynamo re-checks them on every call as it would its own."""
+
+    def __init__(self, gm: fx.GraphModule, plan: Plan) -> None:
+        self.mode = _compat.fresh_size_env()
+        self._local: dict = {}  # Dynamo's symbol -> expression in local symbols
+        self._back: dict = {}  # local symbol -> expression in Dynamo's symbols
+        self._bounds: list = []  # Dynamo-side facts each local symbol assumes
+        self._global: torch.SymInt | None = None  # any size of Dynamo's ShapeEnv
+        self._seen = 0
+        splits = _input_splits(gm, plan)
+        for node in gm.graph.find_nodes(op="placeholder"):
+            val = node.meta.get("val")
+            sizes = [*val.shape, *val.stride()] if isinstance(val, torch.Tensor) else [val]
+            for size in sizes:
+                if isinstance(size, torch.SymInt) and _compat.static_size(size) is None:
+                    self._global = self._global or size
+                    for sym in size.node.expr.free_symbols:
+                        if sym not in self._local:
+                            self._add(sym, splits.get(sym))
+        self.graph = self._copy(gm)
+
+    def _add(self, sym, split: tuple[torch.SymInt, int] | None) -> None:
+        if split is None:  # not split at an input: a local symbol for the same size
+            hint = _compat.size_hint(_compat.symbol_size(self._global, sym))
+            local = _compat.new_size(self.mode, hint, str(sym))
+            self._local[sym] = _expr(local)
+            self._record(local, sym)
+            return
+        size, n = split
+        local = _compat.new_size(self.mode, _compat.size_hint(size) // n, f"{sym}//{n}")
+        self._local[sym] = n * _expr(local)
+        self._record(local, (size // n).node.expr)
+
+    def _record(self, local, global_expr) -> None:
+        import sympy
+
+        if isinstance(local, int):  # specialised (0 or 1): the global size is fixed with it
+            _compat.add_size_guard(self._global, sympy.Eq(global_expr, local))
+        else:
+            self._back[_expr(local)] = global_expr
+            self._bounds.append(sympy.Ge(global_expr, 2))
+
+    def size(self, v: Any) -> Any:
+        """``v`` (a size of Dynamo's ShapeEnv) in local symbols; anything else as it is."""
+        if not isinstance(v, torch.SymInt) or _compat.static_size(v) is not None:
+            return _compat.static_size(v) if isinstance(v, torch.SymInt) else v
+        return _compat.size_of_expr(self.mode, v.node.expr.xreplace(self._local),
+                                    _compat.size_hint(v))
+
+    def _value(self, v: Any) -> Any:
+        if isinstance(v, torch.SymInt):
+            return self.size(v)
+        if not isinstance(v, torch.Tensor) or getattr(v, "fake_mode", None) is None:
+            return v
+        with self.mode:
+            t = torch.empty_strided([self.size(d) for d in v.shape],
+                                    [self.size(d) for d in v.stride()],
+                                    dtype=v.dtype, device=v.device)
+        return t.requires_grad_(v.requires_grad)
+
+    def _copy(self, gm: fx.GraphModule) -> fx.GraphModule:
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for node in gm.graph.nodes:
+            new = graph.node_copy(node, lambda a: env[a])
+            new.meta = dict(node.meta)
+            if "val" in node.meta:
+                new.meta["val"] = pytree.tree_map(self._value, node.meta["val"])
+            env[node] = new
+        return fx.GraphModule(gm, graph)
+
+    def add_guards(self) -> None:
+        """Write the guards the local symbols gathered since the last call into Dynamo's
+        ShapeEnv (each holds at the traced sizes)."""
+        if self._global is None:
+            return
+        new = _compat.size_guards(self.mode)[self._seen:]
+        self._seen += len(new)
+        for expr in [*self._bounds, *new]:
+            _compat.add_size_guard(self._global, expr.xreplace(self._back))
+        self._bounds = []
+
+
+def _expr(size: "torch.SymInt | int"):
+    import sympy
+
+    return sympy.Integer(size) if isinstance(size, int) else size.node.expr
+
+
+def _input_splits(gm: fx.GraphModule, plan: Plan) -> dict:
+    """Per symbol that is a whole input dim ``plan`` splits: (that size, the number of
+    pieces), the first such dim's."""
+    out: dict = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val, pls = node.meta.get("val"), plan.placement(node.name)
+        if not isinstance(val, torch.Tensor) or not is_placements(pls):
+            continue
+        for d, size in enumerate(val.shape):
+            n = math.prod(plan.mesh_shape[a] for a, p in enumerate(pls)
+                          if is_split(p) and p.dim == d)
+            if n > 1 and isinstance(size, torch.SymInt) and size.node.expr.is_symbol:
+                out.setdefault(size.node.expr, (size, n))
+    return out
 
 
 def specialise(gm: fx.GraphModule) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import os
@@ -110,7 +111,17 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
     ``before_inductor(graphs)`` sees the partitioned graphs before Inductor compiles them: a
     fresh compile rewrites them in place (reinplacing, bucketing) and a cache hit does not, so
     anything comparing graphs across ranks must look here, not at the records afterwards."""
-    check = before_inductor or (lambda graphs: None)
+    # a local program sized in a ShapeEnv of its own (dynamo_dist.symbolic.LocalSizes) is
+    # partitioned and compiled in that fake mode, not in the one Dynamo's context names
+    mode = _compat.foreign_fake_mode(_example_inputs(local_gm))
+    with _compat.tracing(_compat.TracingContext(mode)) if mode is not None else \
+            contextlib.nullcontext():
+        return _compile_joint(local_gm, num_fwd_outputs, has_backward, inductor,
+                              before_inductor or (lambda graphs: None))
+
+
+def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: bool,
+                   inductor: bool, check: Callable[[list[fx.GraphModule]], None]) -> CompiledJoint:
     if not has_backward:
         fw = _strip_grads(local_gm, num_fwd_outputs)
         check([fw])

@@ -10,6 +10,7 @@ a silently wrong program.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import torch
@@ -142,11 +143,15 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
     primals = [n for n in placeholders if n.name.startswith("primals")]
     tangents = [n for n in placeholders if n.name.startswith("tangents")]
 
-    # a program with symbolic sizes is lowered in the fake mode that made them (Dynamo's): they
-    # stay symbolic in the local graph (the plan splits none of them: dynamo_dist.symbolic)
-    traced = _compat.detect_fake_mode([n.meta.get("val") for n in placeholders])
-    fake_mode = traced if traced is not None and traced.shape_env is not None else \
-        _compat.FakeTensorMode(allow_non_fake_inputs=True)
+    # a program with symbolic sizes is lowered in the fake mode that made them: they stay
+    # symbolic in the local graph (a dim the plan splits at an input is a symbol of its local
+    # size there: dynamo_dist.symbolic.LocalSizes)
+    vals = [n.meta.get("val") for n in placeholders]
+    symbolic = any(isinstance(v, torch.Tensor) and _compat.has_symbolic_shape(v) for v in vals)
+    sized = _compat.foreign_fake_mode(vals) if symbolic else None
+    fake_mode = sized or _compat.detect_fake_mode(vals)
+    if fake_mode is None or fake_mode.shape_env is None:
+        fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
 
     def local_fake(node: fx.Node) -> torch.Tensor:
         """A primal laid out as the runtime passes it (``layout.input_local_strides``); a
@@ -284,13 +289,20 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
         primal_fakes = [local_fake(n) for n in primals]
         tangent_fakes = [local_fake(n) for n in tangents]
         # Inductor needs its own decompositions applied (redistribute adds zeros_like, ...)
-        with fx_traceback.preserve_node_meta():
+        # the trace's fake mode is the one its sizes live in (Dynamo's own tracing context
+        # would otherwise win: dynamo_dist.symbolic.LocalSizes gives them a ShapeEnv of their own)
+        in_mode = _compat.tracing(_compat.TracingContext(fake_mode)) if sized is not None \
+            else contextlib.nullcontext()
+        dispatch = _compat.python_dispatcher() if sized is not None else \
+            contextlib.nullcontext()
+        with fx_traceback.preserve_node_meta(), in_mode, dispatch:
             local_gm = _compat.make_fx(local_joint,
                                        decomposition_table=_compat.select_decomp_table(),
                                        tracing_mode="fake", record_stack_traces=True,
                                        )(primal_fakes, tangent_fakes)
     # flat calling convention (one placeholder per tensor), as the partitioner and Inductor expect
     local_gm.graph._codegen = fx.graph.CodeGen()
+    _compat.binary_size_arithmetic(local_gm)
     local_gm.recompile()
     return local_gm, ledger
 

@@ -14,6 +14,7 @@ block-strided split whose factor was the traced batch size).
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -54,6 +55,7 @@ def test_one_program_at_other_sizes_computes_what_one_device_computes(fake_mesh,
     op = OPS[name][0]
     mesh = _mesh(fake_mesh, (2, 2))
     torch._dynamo.reset()
+    first = len(compile_records())  # records accumulate over the examples of one test
 
     def program(x, y):
         x = with_sharding_constraint(x, mesh, pins[0])
@@ -93,7 +95,7 @@ def test_one_program_at_other_sizes_computes_what_one_device_computes(fake_mesh,
         for info, g in zip(record.program.primal_inputs, grads):
             torch.testing.assert_close(g, want_grads[info.name],
                                        msg=lambda msg: f"{where}: grad: {msg}")
-    records = compile_records()
+    records = compile_records()[first:]
     if len(records) == 1 and is_symbolic(records[0].program.graph_module):
         STATS["one_program"] += 1
     STATS["pass"] += 1
@@ -101,11 +103,13 @@ def test_one_program_at_other_sizes_computes_what_one_device_computes(fake_mesh,
 
 def test_dynamic_sweep_covered_the_symbolic_program():
     """Runs after the sweep (file order): some cases ran their second size on the program
-    traced at the first (most random placements split a dim of symbolic size, whose size is
-    then fixed by a guard and recompiled), and few were refused."""
+    traced at the first (7 of 40 at this writing: where a split dim's second size is not a
+    multiple of its axes, or a block-strided split, the sizes are fixed by a guard and
+    recompiled), and few were refused."""
     if STATS["pass"] + STATS["refused"] < N_EXAMPLES // 2:
         return  # selected alone
-    assert STATS["one_program"] >= 1, STATS
+    print("STATS", STATS)
+    assert STATS["one_program"] >= max(1, STATS["pass"] // 10), STATS
     assert STATS["refused"] <= STATS["pass"] // 5, STATS
 
 
@@ -143,10 +147,18 @@ def test_tp_llama_one_program_for_every_length_at_parity(fake_mesh):
     assert record.ledger.count() > 0 and not record.plan.fallbacks
 
 
-def test_data_parallel_batch_split_compiles_per_shape(fake_mesh, caplog):
-    """dp=2 splits the batch, a symbolic size; a plan that splits a symbolic size is exact
-    only for the size it was traced at, so the program's sizes are guarded and it is compiled
-    as a static one (said in the log): one compile per distinct shape, each call at parity."""
+@pytest.mark.parametrize("batch_input", ["plain", "dtensor", "dtensor_pinned"])
+def test_data_parallel_batch_is_one_program_while_it_splits_evenly(fake_mesh, caplog,
+                                                                     batch_input):
+    """dp=2 splits the batch, a symbolic size: while it is a multiple of 2 one program serves
+    every batch and length (the batch is guarded a multiple of 2). An odd batch fails that
+    guard and is compiled for its own shape (uneven pieces differ per rank), said in the log;
+    an even batch then runs on the first program again. The batch is a plain global tensor the
+    program splits, or a ``Shard(0)`` DTensor, whose pieces the local program takes as inputs
+    of a symbolic size of their own (a DTensor of uneven pieces cannot enter Dynamo under the
+    simulator: that case has even batches only). Every call's
+    value and gradient at parity with one device. (A pinned DTensor's read size once failed
+    capture: "s28 is not tracked with proxy".)"""
     import logging
 
     rt = SimRuntime()
@@ -154,20 +166,43 @@ def test_data_parallel_batch_split_compiles_per_shape(fake_mesh, caplog):
     torch.manual_seed(0)
     w = torch.randn(8, 8, dtype=torch.float64)
 
-    def f(x, w):
-        return torch.softmax(x @ w, dim=-1).sum(1)
+    def f(x, w):  # the mean divides by the GLOBAL batch x length
+        if batch_input != "dtensor":
+            x = with_sharding_constraint(x, mesh, [Shard(0)])
+        return torch.softmax(x @ w, dim=-1).sum(1).mean() * x.shape[0]
 
     with rt.eager():
-        wd = distribute_tensor(w, mesh, [Replicate()])
+        wd = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
     compiled = torch.compile(f, backend="dist", dynamic=True, options=rt.options())
+    shapes = [(4, 3), (4, 5), (4, 3), (6, 5), (5, 3), (8, 4)]
+    if batch_input != "plain":
+        shapes.remove((5, 3))
     with caplog.at_level(logging.INFO, logger="dynamo_dist"):
-        for b, s in [(4, 3), (4, 5), (4, 3), (6, 5)]:
+        for b, s in shapes:
             x = torch.randn(b, s, 8, dtype=torch.float64)
+            if batch_input != "plain":
+                with rt.eager():
+                    x = distribute_tensor(x, mesh, [Shard(0)])
+            out = compiled(x, wd)
             with rt.eager():
-                xd = distribute_tensor(x, mesh, [Shard(0)])
-            out = compiled(xd, wd)
-            torch.testing.assert_close(global_value(out, rt), f(x, w))
+                out.backward()
+            wr = w.clone().requires_grad_()
+            want = f(global_value(x, rt) if batch_input != "plain" else x, wr)
+            want.backward()
+            where = f"batch {b}, length {s}"
+            torch.testing.assert_close(global_value(out, rt), want.detach(), msg=where)
+            torch.testing.assert_close(global_value(wd.grad, rt), wr.grad, msg=where)
+            wd.grad = None
     records = compile_records()
-    assert [r.step.calls for r in records] == [2, 1, 1]
-    assert not any(is_symbolic(r.program.graph_module) for r in records)
-    assert any("splits dims of symbolic size" in r.getMessage() for r in caplog.records)
+    first = records[0]
+    assert is_symbolic(first.program.graph_module) and first.ledger.count("all_reduce") >= 1
+    if batch_input == "plain":
+        assert [r.step.calls for r in records] == [5, 1]
+        assert not is_symbolic(records[1].program.graph_module)
+        assert sum("splits dims of symbolic size" in r.getMessage() for r in caplog.records) == 1
+    else:
+        assert [r.step.calls for r in records] == [5]
+    # the local program's batch input is sized by a symbol (each rank's piece of the DTensor
+    # batch: b, not s // 2), which Inductor binds from the tensor it receives
+    x_local = first.step.joint.fw_graph.graph.find_nodes(op="placeholder")[0].meta["val"]
+    assert x_local.shape[0].node.expr.is_symbol, x_local.shape

@@ -112,10 +112,12 @@ def run_spmd(record, args: Sequence[torch.Tensor], tangents: Sequence[torch.Tens
     """
     program, plan = record.program, record.plan
     mesh_shape = tuple(mesh.shape)
-    from dynamo_dist.symbolic import fix_guarded_sizes
+    from dynamo_dist.symbolic import LocalSizes, fix_guarded_sizes, is_symbolic
 
     fix_guarded_sizes(program.graph_module)  # sizes a guard fixed since the program was made
     gm = program.graph_module
+    if is_symbolic(gm):  # lowered as the backend lowers it: in symbols of local sizes
+        gm = LocalSizes(gm, plan).graph
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     primals = [n for n in placeholders if n.name.startswith("primals")]
     tangent_nodes = [n for n in placeholders if n.name.startswith("tangents")]
