@@ -1134,6 +1134,15 @@ def static_size(size: "int | torch.SymInt") -> int | None:
     return size.node.maybe_as_int()
 
 
+def fixed_size(size):
+    """``size`` as an int where it is one or a guard has fixed it (``static_size``), else
+    ``size`` itself (a symbolic size, or anything that is not a size)."""
+    if not isinstance(size, torch.SymInt):
+        return size
+    n = static_size(size)
+    return size if n is None else n
+
+
 def has_symbolic_shape(t: torch.Tensor) -> bool:
     return any(static_size(s) is None for s in t.shape)
 

@@ -115,8 +115,7 @@ TENSOR_KINDS = ("dtensor", "tensor")
 
 def _sizes(values) -> tuple:
     """Sizes or strides, those a guard fixed (``symbolic.specialise``) as the numbers."""
-    return tuple(v if _compat.static_size(v) is None else _compat.static_size(v)
-                 for v in values)
+    return tuple(map(_compat.fixed_size, values))
 
 
 def _sizes_of_tensors(x: torch.SymInt, example_inputs: Sequence[Any]) -> bool:
@@ -547,8 +546,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
     def run_forward(*tensors):
         # a size input that a guard fixed (symbolic.specialise) is that number from here on
-        args = [_compat.static_size(x) if isinstance(x, torch.SymInt) and
-                _compat.static_size(x) is not None else x for x in example_inputs]
+        args = list(map(_compat.fixed_size, example_inputs))
         for info in infos:
             if info.kind == "size" and _compat.static_size(args[info.index]) is None:
                 args[info.index] = _traced_size(args[info.index], tensors)

@@ -176,8 +176,9 @@ class LocalSizes:
 
     def size(self, v: Any) -> Any:
         """``v`` (a size of Dynamo's ShapeEnv) in local symbols; anything else as it is."""
-        if not isinstance(v, torch.SymInt) or _compat.static_size(v) is not None:
-            return _compat.static_size(v) if isinstance(v, torch.SymInt) else v
+        v = _compat.fixed_size(v)
+        if not isinstance(v, torch.SymInt):
+            return v
         return _compat.size_of_expr(self.mode, v.node.expr.xreplace(self._local),
                                     _compat.size_hint(v))
 
@@ -261,15 +262,10 @@ def fix_guarded_sizes(gm: fx.GraphModule) -> None:
 
 
 def _fixed_value(v: Any) -> Any:
-    if isinstance(v, torch.SymInt):
-        n = _compat.static_size(v)
-        return v if n is None else n
     if not isinstance(v, torch.Tensor) or getattr(v, "fake_mode", None) is None:
-        return v
-    shape = [_compat.static_size(s) if _compat.static_size(s) is not None else s
-             for s in v.shape]
-    stride = [_compat.static_size(s) if _compat.static_size(s) is not None else s
-              for s in v.stride()]
+        return _compat.fixed_size(v)
+    shape = [_compat.fixed_size(s) for s in v.shape]
+    stride = [_compat.fixed_size(s) for s in v.stride()]
     if all(a is b for a, b in zip(shape, v.shape)) and \
             all(a is b for a, b in zip(stride, v.stride())):
         return v

@@ -167,7 +167,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
         else:
             stride = layout.contiguous_strides(shape)
         with fake_mode:
-            return torch.empty_strided(shape, tuple(map(_fixed, stride)), dtype=val.dtype,
+            return torch.empty_strided(shape, tuple(map(_compat.fixed_size, stride)),
+                                       dtype=val.dtype,
                                        device=val.device)
 
     def local_joint(primals_in, tangents_in):
@@ -313,15 +314,10 @@ def _bytes(t: torch.Tensor) -> int:
     return _compat.size_hint(t.numel()) * t.element_size()
 
 
-def _fixed(v: torch.SymInt) -> int | torch.SymInt:
-    n = _compat.static_size(v)
-    return v if n is None else n
-
-
 def _global_shape(val: torch.Tensor) -> tuple:
     """A global value's shape, sizes a guard has fixed as ints (one may be added while this
     very graph is lowered: arithmetic on a constant SymInt would then have no proxy)."""
-    return tuple(map(_fixed, val.shape))
+    return tuple(map(_compat.fixed_size, val.shape))
 
 
 def _sizes_from(primals: Sequence[torch.Tensor]):
@@ -339,13 +335,12 @@ def _sizes_from(primals: Sequence[torch.Tensor]):
             if isinstance(d, torch.SymInt) and d.node.expr.is_symbol:
                 symbols.setdefault(d.node.expr, d)
     if not symbols:  # sizes a guard fixed are numbers from here on
-        return lambda value: pytree.tree_map_only(torch.SymInt, _fixed, value)
+        return lambda value: pytree.tree_map_only(torch.SymInt, _compat.fixed_size, value)
 
     def rebuild(v):
+        v = _compat.fixed_size(v)  # a size a guard fixed: the number
         if not isinstance(v, torch.SymInt):
             return v
-        if _compat.static_size(v) is not None:  # a size a guard fixed: the number
-            return _compat.static_size(v)
         expr = v.node.expr
         if not expr.free_symbols <= symbols.keys():
             return v
@@ -359,7 +354,8 @@ def _laid_out(out: torch.Tensor, val: torch.Tensor, placements: Placements,
     """A forward output's local value in the layout the runtime declares for it (dense, in the
     dim order of the GLOBAL value the program traced: ``layout.output_strides``); a copy only
     where lowering produced another layout (a gathered value is contiguous)."""
-    want, _ = layout.output_strides(tuple(map(_fixed, val.shape)), tuple(map(_fixed, val.stride())),
+    want, _ = layout.output_strides(tuple(map(_compat.fixed_size, val.shape)),
+                                    tuple(map(_compat.fixed_size, val.stride())),
                                     placements, mesh_shape, coord)
     if layout.same_layout(tuple(out.shape), out.stride(), want):
         return out

@@ -33,6 +33,18 @@ def test_two_rank_tp_parity(model, inductor, extra):
         assert "COMPILES 1" in out, out
 
 
+def test_two_rank_dp_dynamic_batch_is_one_compile():
+    """FSDP on dp=2 with Inductor and ``dynamic=True``: the batch is split, a symbolic size;
+    sequence lengths 32, 48, 64, 32 at batch 8, then batch 4 at 40, all run on one compiled
+    program (each rank's piece of the batch a symbol of its own, the batch guarded even), at
+    parity. It compiled per shape before."""
+    out = torchrun("train_parity.py", 2, "--model", "llama", "--mesh", "dp=2", "--inductor", "1",
+                   "--dynamic", "--steps", "5").stdout
+    m = re.search(r"max relative loss difference ([0-9.e+-]+)", out)
+    assert m and float(m.group(1)) <= 1e-4, out
+    assert "COMPILES 1" in out, out
+
+
 def test_two_rank_fsdp_bucketed_collectives(monkeypatch):
     """Parameters sharded over dp (ZeRO-3), compiled with Inductor, bucketing asked for (it is
     off by default): the comm pass merges the forward's parameter all_gathers and the
