@@ -3,13 +3,17 @@
 A placement does not depend on a size, so a program whose batch or sequence length is
 symbolic is planned once, on a copy of its global graph with every size at the value Dynamo
 traced it with (its hint: ``hinted``), and lowered and compiled with the symbolic sizes kept:
-one compile serves every size. What that needs, and ``split_symbolic`` checks, is that the
-plan never splits a symbolic dim (Megatron tensor parallelism splits hidden and head dims,
-which are static). A plan that does (data parallelism splits the batch) would need ``s // n``
-and a divisibility guard; instead its sizes are guarded on the values traced (``specialise``) and
-the program is compiled again as a static one: one compile per distinct shape, as with
-``dynamic=False``. A block-strided split (``_StridedShard``) of a symbolic
-dim is one of those: its split factor is a traced size.
+one compile serves every size. A dim the plan splits must split into equal pieces whatever
+its size: ``split_symbolic`` allows a static multiple of the axes splitting it (heads x
+batch, ``4*s0`` over 2) and guards a plain symbolic size a multiple of them (a data-parallel
+batch: an odd batch then fails the guard and recompiles). Where that cannot hold (the size
+traced is not a multiple, or a block-strided ``_StridedShard`` whose split factor is a traced
+size), every input size is guarded on its traced value (``specialise``) and the program is
+compiled again as a static one, as with ``dynamic=False``.
+
+The local program of a plan that splits a symbolic input dim takes pieces of size ``s / n``;
+``LocalSizes`` rewrites the global graph in symbols of a ShapeEnv of its own where each such
+piece is a symbol, and carries the guards the local trace and Inductor add back to Dynamo.
 """
 
 from __future__ import annotations
@@ -74,10 +78,11 @@ def _hinted_value(v: Any, mode) -> Any:
 
 
 def split_symbolic(gm: fx.GraphModule, plan: Plan) -> list[tuple[str, torch.SymInt]]:
-    """Where ``plan`` splits a dim whose size is symbolic in ``gm`` (and not a multiple of
-    the product of the mesh axis sizes splitting it, whatever its symbols are): per value (its output placement, or a
-    placement an op asks of an input) a line saying so and that size; empty when it never
-    does."""
+    """Where ``plan`` splits a dim whose size is symbolic in ``gm`` into pieces that may
+    differ: per value (its output placement, or a placement an op asks of an input) a line
+    saying so and that size; empty when it never does. A size that is a static multiple of
+    the product of the mesh axis sizes splitting it passes; one that was traced at a multiple
+    passes and is guarded a multiple from here on (a Dynamo guard: another size recompiles)."""
     found = []
 
     def check(node: fx.Node, val: Any, pls, what: str) -> None:
