@@ -1,5 +1,7 @@
 """The private torch APIs we route through dynamo_dist._compat exist and behave as we rely on."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -238,6 +240,54 @@ def test_a_guarded_size_reads_as_its_number():
     _compat.guard_equal(s0, 6)
     assert _compat.static_size(s0) == 6 and _compat.static_size(s1) is None
     assert any("6" in str(g.expr) for g in s0.node.shape_env.guards)
+
+
+def test_nary_size_arithmetic_rewritten_as_binary_nodes():
+    """make_fx rebuilds a size it did not trace as ``operator.mul(2, a, b)``: interpreted it
+    fails ("mul expected 2 arguments, got 3"), and FX's generated code silently drops the third
+    factor (``2 * a``: a wrong size, or a wrong divisor). The rewrite chains two-argument
+    nodes, with values."""
+    import operator
+
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    a.meta["val"], b.meta["val"] = 3, 4
+    prod = graph.call_function(operator.mul, (2, a, b))
+    total = graph.call_function(operator.add, (prod, a, 1))
+    graph.output((prod, total))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    with pytest.raises(TypeError, match="2 arguments"):
+        torch.fx.Interpreter(gm).run(3, 4)
+    assert gm(3, 4) == (6, 9)  # generated code: 2 * a and prod + a
+    _compat.binary_size_arithmetic(gm)
+    assert gm(3, 4) == (24, 28) and gm(5, 1) == (10, 16)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert all(len(n.args) == 2 and "val" in n.meta for n in calls[:-1]), calls
+
+
+def test_python_dispatcher_keeps_a_padded_size_symbolic():
+    """``constant_pad_nd``'s C++ kernel reads ``sizes()``, which fixes every symbolic size of
+    its input (a guard per size); through the Python dispatcher it traces symbolically. Each
+    local program of a symbolic plan is traced so (``lowering``)."""
+    for dispatch in (False, True):
+        mode = _compat.fresh_size_env()
+        b, s = _compat.new_size(mode, 4, "b"), _compat.new_size(mode, 16, "s")
+        with mode:
+            ids = torch.empty(b, s, dtype=torch.long)
+        ctx = _compat.python_dispatcher() if dispatch else contextlib.nullcontext()
+        with ctx:
+            _compat.make_fx(lambda t: torch.ops.aten.constant_pad_nd(t, [0, 1], -100),
+                            tracing_mode="fake")(ids)
+        guards = _compat.size_guards(mode)
+        assert (guards == []) == dispatch, (dispatch, guards)
+
+
+def test_foreign_fake_mode_is_the_values_own_when_the_context_names_another():
+    mode, (x,) = _symbolic_fakes((6, 4))
+    assert _compat.foreign_fake_mode([x, 3]) is mode
+    with _compat.tracing(_compat.TracingContext(mode)):
+        assert _compat.foreign_fake_mode([x]) is None  # the context's own: nothing to do
+    assert _compat.foreign_fake_mode([torch.ones(2)]) is None
 
 
 def test_numbers_specialised_from_the_first_compile_with_options():
