@@ -1260,13 +1260,15 @@ def binary_size_arithmetic(gm: "torch.fx.GraphModule") -> None:
                 len(node.args) <= 2 or node.kwargs:
             continue
         def val(a):
-            return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+            return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
 
         with gm.graph.inserting_before(node):
             acc = node.args[0]
             for arg in node.args[1:-1]:
                 new = gm.graph.call_function(node.target, (acc, arg))
-                new.meta = {**node.meta, "val": node.target(val(acc), val(arg))}
+                new.meta = dict(node.meta)
+                if val(acc) is not None and val(arg) is not None:  # the partitioner reads it
+                    new.meta["val"] = node.target(val(acc), val(arg))
                 acc = new
         node.args = (acc, node.args[-1])
     gm.recompile()

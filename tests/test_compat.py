@@ -253,6 +253,7 @@ def test_nary_size_arithmetic_rewritten_as_binary_nodes():
     a, b = graph.placeholder("a"), graph.placeholder("b")
     a.meta["val"], b.meta["val"] = 3, 4
     prod = graph.call_function(operator.mul, (2, a, b))
+    prod.meta["val"] = 24
     total = graph.call_function(operator.add, (prod, a, 1))
     graph.output((prod, total))
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
