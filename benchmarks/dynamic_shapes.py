@@ -1,18 +1,18 @@
 """A training loop whose input shape changes, under ``backend="dist"``: compiles and time.
 
-The demo Llama (2 layers) on tp=2 gloo ranks under the stock Megatron plan, Inductor, trained
-one SGD step per batch at sequence lengths 32, 48, 64, 32 and then a last batch of 4 at 40
-(a new shape at almost every step, as evaluation, variable-length batches or an epoch's last
-batch give). Contestants: ``dynamic=False`` (one static compile per distinct shape) and
-``dynamic=True`` (sizes symbolic: one program for every shape, since Megatron splits no batch
-or sequence dim). Each run is a fresh pair of processes with an empty Inductor cache (cold
+The demo Llama (2 layers) on 2 gloo ranks, Inductor, under the stock Megatron plan (tp=2) or
+FSDP (dp=2, the batch split), trained one SGD step per batch at sequence lengths 32, 48, 64,
+32 and then a last batch of 4 at 40 (a new shape at almost every step, as evaluation,
+variable-length batches or an epoch's last batch give). Contestants: ``dynamic=False`` (one
+static compile per distinct shape) and ``dynamic=True`` (sizes symbolic: one program for every
+shape; Megatron splits no batch or sequence dim, FSDP's batch split is guarded even). Each run is a fresh pair of processes with an empty Inductor cache (cold
 compiles). Per run: compiles, the loop's wall time (compiles included), each step's time, the
 worst loss difference from one process, and the median step time at the first shape after the
-loop (no compile left: the compiled program alone, symbolic against static). Medians over ``--runs``; ratio dynamic / static
-from the same invocation. Writes ``benchmarks/results/dynamic_shapes-<time>.json`` and
-``dynamic_shapes.md``.
+loop (no compile left: the compiled program alone, symbolic against static). Medians over
+``--runs``; ratio dynamic / static from the same invocation. Writes
+``benchmarks/results/dynamic_shapes[_dp]-<time>.json`` and ``dynamic_shapes[_dp].md``.
 
-    PYTHONPATH=$PWD python -m benchmarks.dynamic_shapes [--runs 2]
+    PYTHONPATH=$PWD python -m benchmarks.dynamic_shapes [--runs 2] [--mesh dp=2]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ SHAPES = [(8, 32), (8, 48), (8, 64), (8, 32), (4, 40)]  # (batch, sequence lengt
 STEADY_STEPS = 7
 
 
-def worker(dynamic: bool) -> None:
+def worker(dynamic: bool, mesh_text: str) -> None:
     """One rank of one run (under torchrun): prints a JSON line on rank 0."""
     import copy
     import dataclasses
@@ -42,16 +42,18 @@ def worker(dynamic: bool) -> None:
 
     from dynamo_dist import compile_records
     from dynamo_dist.models import LlamaSize, build_llama, token_batch
-    from dynamo_dist.plans import TensorParallelPlanner, shard_module
+    from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
 
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    axis = mesh_text.split("=")[0]
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
     torch.manual_seed(0)
     size = LlamaSize(layers=2, seq=32)
     ref = build_llama(size)
     ref.config.use_cache = False
     model = copy.deepcopy(ref)
-    shard_module(model, mesh, TensorParallelPlanner().build_plan(model))
+    planner = TensorParallelPlanner() if axis == "tp" else DataParallelPlanner(mesh_axis_size=2)
+    shard_module(model, mesh, planner.build_plan(model))
     compiled = torch.compile(model, backend="dist", dynamic=dynamic)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -84,14 +86,14 @@ def worker(dynamic: bool) -> None:
     dist.destroy_process_group()
 
 
-def run_once(dynamic: bool, port: int) -> dict:
+def run_once(dynamic: bool, port: int, mesh_text: str) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=cache,
                    PYTHONPATH=os.path.dirname(HERE))
         out = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
              f"--master-port={port}", "-m", "benchmarks.dynamic_shapes", "--worker",
-             "--dynamic", str(int(dynamic))],
+             "--dynamic", str(int(dynamic)), "--mesh", mesh_text],
             capture_output=True, text=True, env=env, timeout=1800)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("{")), None)
     if out.returncode or line is None:
@@ -104,13 +106,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--dynamic", type=int, default=0)
+    ap.add_argument("--mesh", default="tp=2", choices=["tp=2", "dp=2"])
     args = ap.parse_args()
     if args.worker:
-        return worker(bool(args.dynamic))
+        return worker(bool(args.dynamic), args.mesh)
     runs = {False: [], True: []}
     for r in range(args.runs):
         for dynamic in (False, True):
-            runs[dynamic].append(run_once(dynamic, 29600 + 2 * r + dynamic))
+            runs[dynamic].append(run_once(dynamic, 29600 + 2 * r + dynamic, args.mesh))
             print(json.dumps(runs[dynamic][-1]), flush=True)
     summary = {}
     for dynamic, rows in runs.items():
@@ -126,14 +129,16 @@ def main() -> None:
     summary["steady_step_ratio_dynamic_over_static"] = (
         summary["dynamic"]["steady_step_s_median"] / summary["static"]["steady_step_s_median"])
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    result = {"shapes": SHAPES, "runs": {str(k): v for k, v in runs.items()},
+    name = "dynamic_shapes" if args.mesh == "tp=2" else "dynamic_shapes_dp"
+    result = {"mesh": args.mesh, "shapes": SHAPES, "runs": {str(k): v for k, v in runs.items()},
               "summary": summary}
     out_dir = os.path.join(HERE, "results")
-    with open(os.path.join(out_dir, f"dynamic_shapes-{stamp}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}-{stamp}.json"), "w") as f:
         json.dump(result, f, indent=1)
     s, d = summary["static"], summary["dynamic"]
     md = [f"# Changing shapes: `dynamic=False` vs `dynamic=True` ({stamp})", "",
-          "Demo Llama, 2 layers, tp=2 gloo + Inductor, one SGD step per batch at "
+          f"Demo Llama, 2 layers, {args.mesh} gloo + Inductor "
+          f"({'Megatron' if args.mesh == 'tp=2' else 'FSDP'}), one SGD step per batch at "
           f"(batch, length) {SHAPES}; cold Inductor cache per run; medians of {args.runs} runs.",
           "", "| | compiles | loop (s, compiles included) | median later step (s) | "
           f"steady step at {SHAPES[0]} (s, median of {STEADY_STEPS}) | worst loss rel. |",
@@ -146,7 +151,7 @@ def main() -> None:
           f"{d['loss_rel_max']:.1e} |", "",
           f"Ratios dynamic / static: loop {summary['loop_ratio_dynamic_over_static']:.2f}, "
           f"steady step {summary['steady_step_ratio_dynamic_over_static']:.2f}."]
-    with open(os.path.join(out_dir, "dynamic_shapes.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
 

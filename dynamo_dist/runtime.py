@@ -94,6 +94,7 @@ class DistStep:
         strides = [_Symbolic.of(s) if _Symbolic.wanted(s) else s for s in input_strides] or \
             [None] * len(tensor_infos)
         self._tensor_inputs = list(zip(tensor_infos, self.input_placements))
+        self._global_checks = [_global_shape_check(i) for i in tensor_infos]
         self._input_strides = strides
         # inputs the program updates in place: their new values are the last forward outputs
         self.mutated_inputs = list(mutated_inputs)
@@ -107,9 +108,12 @@ class DistStep:
         if contract.enabled():
             contract.check_same_values(self._global_inputs(args), self.mesh)
         local = []
-        for (info, want), want_stride in zip(self._tensor_inputs, self._input_strides):
+        for (info, want), want_stride, check in zip(self._tensor_inputs, self._input_strides,
+                                                   self._global_checks):
             x = args[info.index]
             if isinstance(x, DTensor):
+                if check:
+                    _check_global_shape(x, info, check, self.mesh)
                 if tuple(x.placements) != tuple(want):
                     x = x.redistribute(self.mesh, want)
                 x = x.to_local()
@@ -166,6 +170,41 @@ class DistStep:
                                                shape=x.shape, stride=x.stride()).full_tensor())
                 else:
                     x.copy_(new)
+
+
+def _global_shape_check(info: InputInfo) -> list[tuple[int, int | None]]:
+    """What each call checks of a DTensor input's GLOBAL shape: per dim, the size the program
+    was compiled for, or None for a symbolic size its placements split (the program assumes
+    equal pieces there). Dynamo guards a DTensor's local sizes and placements but not its
+    global shape (``check_dtensor_spec`` skips shapes; torch 2.13), so a batch of 5 split 3 + 2
+    would run rank 0 on a program compiled for 6 and rank 1 on one for 4: wrong numbers, no
+    error. Empty for other inputs."""
+    if info.kind != "dtensor" or info.shape is None:
+        return []
+    split = {p.dim for p in info.placements or () if isinstance(p, Shard)}
+    return [(d, _compat.static_size(size)) for d, size in enumerate(info.shape)
+            if _compat.static_size(size) is not None or d in split]
+
+
+def _check_global_shape(x: DTensor, info: InputInfo, check, mesh) -> None:
+    for d, want in check:
+        pieces = math.prod(mesh.shape[a] for a, p in enumerate(x.placements)
+                           if isinstance(p, Shard) and p.dim == d)
+        if x.shape[d] == want or want is None and x.shape[d] == x.to_local().shape[d] * pieces:
+            continue
+        from .errors import DistCompileError
+
+        raise DistCompileError(
+            f"DTensor input {info.name} has global shape {tuple(x.shape)}, but the program "
+            f"that serves this call was compiled for "
+            f"{tuple(_compat.fixed_size(v) for v in info.shape)} (dim {d}: "
+            f"{want if want is not None else f'{pieces} equal pieces'}): Dynamo matched it by "
+            f"this rank's local piece {tuple(x.to_local().shape)} only, and running it would "
+            f"compute on the wrong global size", shapes=[tuple(x.shape)], mesh=mesh,
+            placements=list(x.placements),
+            fix="make the global size a multiple of the mesh axes that split it, or pass the "
+                "batch as a plain tensor (the program splits it, and Dynamo guards its size); "
+                "torch._dynamo.reset() drops the compiled programs")
 
 
 class _Symbolic:

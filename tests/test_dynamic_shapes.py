@@ -206,3 +206,31 @@ def test_data_parallel_batch_is_one_program_while_it_splits_evenly(fake_mesh, ca
     # batch: b, not s // 2), which Inductor binds from the tensor it receives
     x_local = first.step.joint.fw_graph.graph.find_nodes(op="placeholder")[0].meta["val"]
     assert x_local.shape[0].node.expr.is_symbol, x_local.shape
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_uneven_dtensor_batch_never_runs_a_program_compiled_for_another(fake_mesh, dynamic):
+    """Dynamo guards a DTensor input's local sizes, not its global shape: on rank 1 of dp=2 a
+    batch of 5 (pieces 3 + 2) has the local piece a batch of 4 had, and Dynamo hands it the
+    program compiled for 4 (rank 0 gets the one for 6): each rank computed a different wrong
+    mean, with no error. The runtime now checks the global shape and refuses, naming both.
+    Under ``dynamic=True`` the global batch is a symbol of its own, guarded even: Dynamo
+    recompiles for 5 instead."""
+    mesh = fake_mesh((2,), ("dp",), rank=1)
+    w = torch.randn(8, 8)
+
+    def f(x, w):
+        return torch.softmax(x @ w, dim=-1).sum(1).mean() * x.shape[0]
+
+    wd = distribute_tensor(w, mesh, [Replicate()])
+    compiled = torch.compile(f, backend="dist", dynamic=dynamic, options={"inductor": False})
+    compiled(distribute_tensor(torch.randn(4, 3, 8), mesh, [Shard(0)]), wd)
+    odd = distribute_tensor(torch.randn(5, 3, 8), mesh, [Shard(0)])
+    assert tuple(odd.to_local().shape) == (2, 3, 8)  # this rank's piece, as at batch 4
+    if dynamic:
+        compiled(odd, wd)
+        assert len(compile_records()) == 2  # the guard on the global batch failed
+        return
+    with pytest.raises(Exception, match=r"global shape \(5, 3, 8\).*compiled for") as err:
+        compiled(odd, wd)
+    assert "fix:" in str(err.value) and len(compile_records()) == 1
