@@ -1287,7 +1287,8 @@ def symbol_size(like: "torch.SymInt", symbol) -> "torch.SymInt":
     """A SymInt that is the sympy ``symbol`` of ``like``'s ShapeEnv, with its traced value as
     hint (a symbol may appear only inside expressions: a DTensor's global ``2*s0``)."""
     env = like.node.shape_env
-    return env.create_symintnode(symbol, hint=int(env.var_to_val[symbol]))
+    values = getattr(env, "backed_var_to_val", None)  # torch 2.13; 2.11 has var_to_val only
+    return env.create_symintnode(symbol, hint=int((values or env.var_to_val)[symbol]))
 
 
 def size_guards(mode: FakeTensorMode) -> list:

@@ -147,28 +147,36 @@ class LocalSizes:
         self._global: torch.SymInt | None = None  # any size of Dynamo's ShapeEnv
         self._seen = 0
         splits = _input_splits(gm, plan)
+        self._taken = {sym for node in gm.graph.find_nodes(op="placeholder")
+                       for v in _sizes_of(node.meta.get("val")) for sym in v.node.expr.free_symbols}
         for node in gm.graph.find_nodes(op="placeholder"):
-            val = node.meta.get("val")
-            sizes = [*val.shape, *val.stride()] if isinstance(val, torch.Tensor) else [val]
-            for size in sizes:
-                if isinstance(size, torch.SymInt) and _compat.static_size(size) is None:
-                    self._global = self._global or size
-                    for sym in size.node.expr.free_symbols:
-                        if sym not in self._local:
-                            self._add(sym, splits.get(sym))
+            for size in _sizes_of(node.meta.get("val")):
+                self._global = self._global or size
+                for sym in size.node.expr.free_symbols:
+                    if sym not in self._local:
+                        self._add(sym, splits.get(sym))
         self.graph = self._copy(gm)
 
     def _add(self, sym, split: tuple[torch.SymInt, int] | None) -> None:
         if split is None:  # not split at an input: a local symbol for the same size
             hint = _compat.size_hint(_compat.symbol_size(self._global, sym))
-            local = _compat.new_size(self.mode, hint, str(sym))
+            local = self._new(hint, str(sym))
             self._local[sym] = _expr(local)
             self._record(local, sym)
             return
         size, n = split
-        local = _compat.new_size(self.mode, _compat.size_hint(size) // n, f"{sym}//{n}")
+        local = self._new(_compat.size_hint(size) // n, f"{sym}//{n}")
         self._local[sym] = n * _expr(local)
         self._record(local, (size // n).node.expr)
+
+    def _new(self, hint: int, name: str):
+        """A local symbol named unlike any of Dynamo's (a symbol's name comes from a hash of
+        its source's, and sympy compares symbols by name)."""
+        for k in range(16):
+            local = _compat.new_size(self.mode, hint, f"{name}#{k}")
+            if isinstance(local, int) or _expr(local) not in self._taken:
+                return local
+        raise AssertionError(f"no local symbol for {name} unlike Dynamo's")
 
     def _record(self, local, global_expr) -> None:
         import sympy
@@ -219,6 +227,12 @@ class LocalSizes:
         for expr in [*self._bounds, *new]:
             _compat.add_size_guard(self._global, expr.xreplace(self._back))
         self._bounds = []
+
+
+def _sizes_of(val: Any) -> list[torch.SymInt]:
+    """The symbolic sizes and strides of a placeholder's value."""
+    sizes = [*val.shape, *val.stride()] if isinstance(val, torch.Tensor) else [val]
+    return [v for v in sizes if isinstance(v, torch.SymInt) and _compat.static_size(v) is None]
 
 
 def _expr(size: "torch.SymInt | int"):
