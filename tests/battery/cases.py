@@ -484,13 +484,27 @@ def torch_xla_style_mesh_object():
 @case(None)
 def new_shape_recompiles():
     m = mesh((2,), ("tp",))
-    f = torch.compile(lambda x: (x * 2).sum(0), backend="dist", dynamic=False,
+    f = torch.compile(lambda x: (x * 2).mean(0), backend="dist", dynamic=False,
                       options={"inductor": False})
-    for rows in (4, 6, 5):
+    for k, rows in enumerate((4, 6, 8)):
         x = torch.randn(rows, 3)
         f(distribute_tensor(x, m, [S0]))
+        assert len(compile_records()) == k + 1, "each shape compiles its own program"
         got, _ = run_spmd(compile_records()[-1], [x], None, m)
-        torch.testing.assert_close(got[0], (x * 2).sum(0))
+        torch.testing.assert_close(got[0], (x * 2).mean(0))
+
+
+@case(DistCompileError, ("DTensor input", "global shape (5, 3)", "compiled for (6, 3)",
+                         "local piece (3, 3)"))
+def uneven_dtensor_batch_matching_an_earlier_program():
+    """Dynamo guards a DTensor's local piece, not its global shape: rows 5 split 3 + 2 would
+    run rank 0 on the program for 6 rows and rank 1 on the one for 4 (each mean divided by
+    another count). Refused, not computed."""
+    m = mesh((2,), ("tp",))
+    f = torch.compile(lambda x: (x * 2).mean(0), backend="dist", dynamic=False,
+                      options={"inductor": False})
+    for rows in (6, 5):
+        f(distribute_tensor(torch.randn(rows, 3), m, [S0]))
 
 
 @case(None)
