@@ -234,3 +234,31 @@ def test_uneven_dtensor_batch_never_runs_a_program_compiled_for_another(fake_mes
     with pytest.raises(Exception, match=r"global shape \(5, 3, 8\).*compiled for") as err:
         compiled(odd, wd)
     assert "fix:" in str(err.value) and len(compile_records()) == 1
+
+
+def test_redistribute_through_an_uneven_nested_split_of_a_symbolic_size(fake_mesh):
+    """Found by the sweep at 120 examples: x of (2*s0, 2*s1) moved from [S(0),S(1)] to
+    [S(1),S(0)] on a 2x2 mesh passes through a dim split by both axes, 6 = 3 + 3 then 3 = 2 + 1
+    (uneven). A version of ``shard_range`` that took every symbolic size as a multiple gave
+    both pieces 1: a third of the output wrong, no error. Each rank's program at the new
+    sizes must compute what one device computes."""
+    mesh = _mesh(fake_mesh, (2, 2))
+    pins = (Shard(1), Shard(0))
+
+    def program(x, y):
+        x = with_sharding_constraint(x, mesh, pins)
+        y = with_sharding_constraint(y, mesh, pins)
+        return (x.t().reshape(-1) * y.reshape(-1)) * 1.5
+
+    compiled = torch.compile(program, backend="dist", dynamic=True, fullgraph=True,
+                             options={"inductor": False})
+    for m, k in [(4, 5), (6, 4)]:
+        gen = torch.Generator().manual_seed(m)
+        x, y = torch.randn(m, k, dtype=torch.float64, generator=gen), \
+            torch.randn(k, m, dtype=torch.float64, generator=gen)
+        compiled(*(distribute_tensor(t, mesh, (Shard(0), Shard(1))) for t in (x, y)))
+        want = (x.t().reshape(-1) * y.reshape(-1)) * 1.5
+        record = compile_records()[-1]
+        got, _ = run_spmd(record, [{"L_x_": x, "L_y_": y}[i.name]
+                                   for i in record.program.primal_inputs], None, mesh)
+        torch.testing.assert_close(got[0], want, msg=f"x {tuple(x.shape)}")

@@ -151,11 +151,7 @@ def valid_for(shape: Sequence[int], placements: Placements, mesh_shape: Sequence
 def shard_range(size: int, n: int, k: int) -> tuple[int, int]:
     """(offset, length) of piece ``k`` when a dim of GLOBAL ``size`` is split over ``n`` ranks:
     torch.chunk's (and DTensor's) semantics, pieces of ceil(size / n), the last ones shorter or
-    empty (size 5 over 4 ranks: 2, 2, 1, 0). A symbolic ``size`` (a SymInt) is split only where
-    it is a multiple of ``n`` (``dynamo_dist.symbolic`` guards that): equal pieces of
-    ``size // n``, with no min() to guard on."""
-    if not isinstance(size, int):
-        return k * (size // n), size // n
+    empty (size 5 over 4 ranks: 2, 2, 1, 0)."""
     step = -(-size // n)
     offset = min(k * step, size)
     return offset, min(step, size - offset)
