@@ -1274,6 +1274,12 @@ def binary_size_arithmetic(gm: "torch.fx.GraphModule") -> None:
     gm.recompile()
 
 
+def tracing_in(mode: "FakeTensorMode | None") -> contextlib.AbstractContextManager:
+    """A tracing context naming ``mode`` (what ``foreign_fake_mode`` found), so that make_fx
+    and Inductor use it rather than Dynamo's; nothing for None."""
+    return tracing(TracingContext(mode)) if mode is not None else contextlib.nullcontext()
+
+
 def python_dispatcher() -> contextlib.AbstractContextManager:
     """Ops dispatch through their Python meta functions and decompositions, which keep
     symbolic sizes; some C++ kernels read ``sizes()`` and fix every size they see

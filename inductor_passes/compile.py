@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import operator
 import os
@@ -114,8 +113,7 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
     # a local program sized in a ShapeEnv of its own (dynamo_dist.symbolic.LocalSizes) is
     # partitioned and compiled in that fake mode, not in the one Dynamo's context names
     mode = _compat.foreign_fake_mode(_example_inputs(local_gm))
-    with _compat.tracing(_compat.TracingContext(mode)) if mode is not None else \
-            contextlib.nullcontext():
+    with _compat.tracing_in(mode):
         return _compile_joint(local_gm, num_fwd_outputs, has_backward, inductor,
                               before_inductor or (lambda graphs: None))
 

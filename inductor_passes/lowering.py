@@ -292,8 +292,7 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
         # Inductor needs its own decompositions applied (redistribute adds zeros_like, ...)
         # the trace's fake mode is the one its sizes live in (Dynamo's own tracing context
         # would otherwise win: dynamo_dist.symbolic.LocalSizes gives them a ShapeEnv of their own)
-        in_mode = _compat.tracing(_compat.TracingContext(fake_mode)) if sized is not None \
-            else contextlib.nullcontext()
+        in_mode = _compat.tracing_in(sized)
         dispatch = _compat.python_dispatcher() if sized is not None else \
             contextlib.nullcontext()
         with fx_traceback.preserve_node_meta(), in_mode, dispatch:
