@@ -963,13 +963,274 @@ def functorch_config_patch(**entries) -> contextlib.AbstractContextManager:
     return config.patch(**{k: v for k, v in entries.items() if hasattr(config, k)})
 
 
-def dynamo_numbers_specialised() -> contextlib.AbstractContextManager:
+def dynamo_settings_for_dist() -> contextlib.AbstractContextManager:
     """A context in which Dynamo specialises Python ints and floats (a new value recompiles)
     whatever ``dynamic=`` says; tensor sizes follow ``dynamic=`` as usual (checked on torch
-    2.11 and 2.13)."""
+    2.11 and 2.13), and traces ``backward()`` into the program (a whole training step)."""
     from torch._dynamo import config
 
-    return config.patch(specialize_int=True, specialize_float=True)
+    # trace_autograd_ops: ``loss.backward()`` inside a compiled function is traced into the
+    # program (as autograd.grad + the .grad updates) instead of splitting it (torch 2.13;
+    # absent in 2.11, where the step splits at backward as before)
+    return config.patch(specialize_int=True, specialize_float=True,
+                        **({"trace_autograd_ops": True} if hasattr(config, "trace_autograd_ops")
+                           else {}))
+
+
+# A whole training step in one program (issue 15). With ``trace_autograd_ops`` Dynamo traces
+# ``loss.backward()`` as ``autograd.grad`` + ``.grad`` updates, but three things in torch 2.13
+# still split a step written as ``loss = model(x); loss.backward(); opt.step()``:
+#   1. ``torch.optim``'s ``_use_grad`` calls ``torch._dynamo.graph_break()`` before and after
+#      every ``step`` (so that AOTAutograd sees the update under no_grad; our capture traces
+#      grad mode as written, so the break buys nothing here);
+#   2. Dynamo runs ``_init_group`` in Python on the real parameters, and breaks while a
+#      parameter's ``.grad`` is a pending in-graph update (the backward just traced);
+#   3. its check that no returned tensor needs a grad_fn the traced backward consumed asserts
+#      every example value is a FakeTensor, and ours are DTensors.
+# Each patch below acts only while Dynamo traces for ``dist``.
+def node_annotation(entries: dict) -> contextlib.AbstractContextManager:
+    """Nodes traced (make_fx under ``preserve_node_meta``) inside this context carry ``entries``
+    in ``node.meta["custom"]`` (``torch.fx.traceback.annotate``; 2.11, 2.13)."""
+    return torch.fx.traceback.annotate(entries)
+
+
+def install_whole_step() -> bool:
+    """Let Dynamo trace forward, ``backward()`` and a ``torch.optim`` step as one program for
+    ``dist`` (see above). Returns False where this torch lacks what it patches (2.11: no
+    ``trace_autograd_ops``; the step then splits at ``backward()`` as before). Idempotent
+    (checked on torch 2.13)."""
+    from torch._dynamo import config
+    from torch._dynamo import output_graph
+    from torch._dynamo.variables import functions, optimizer
+    from torch.optim.optimizer import _use_grad_for_differentiable
+
+    if not hasattr(config, "trace_autograd_ops") or \
+            not hasattr(output_graph.OutputGraph, "_validate_outputs_safe_for_autograd_nodes"):
+        return False
+    if getattr(optimizer.OptimizerVariable, "_dynamo_dist_whole_step", False):
+        return True
+    use_grad_code = _use_grad_for_differentiable(lambda self: None).__code__
+    skip_call = functions.SkipFunctionVariable.call_function
+
+    def call_function(self, tx, args, kwargs):
+        if self.value is torch._dynamo.graph_break and tx.f_code is use_grad_code and \
+                dist_backend_is_tracing():
+            from torch._dynamo.variables.constant import ConstantVariable
+
+            return ConstantVariable.create(None)
+        return skip_call(self, tx, args, kwargs)
+
+    functions.SkipFunctionVariable.call_function = call_function
+    _install_init_group_with_pending_grads(optimizer)
+    _install_zero_grad_in_graph(optimizer)
+    _install_dtensor_output_check(output_graph)
+    _install_backward_reaches_every_leaf()
+    optimizer.OptimizerVariable._dynamo_dist_whole_step = True
+    return True
+
+
+def _install_init_group_with_pending_grads(optimizer) -> None:
+    """Dynamo's fast ``_init_group`` calls the optimizer's own ``_init_group`` on the real
+    parameters and maps what it lists back to graph values. When the program's backward has
+    just set ``p.grad`` (pending in the graph, not yet on ``p``), give each such parameter a
+    stand-in ``.grad`` (a detached alias of ``p``: same shape, dtype and layout, no copy) for
+    the call, and map each stand-in back to the pending gradient. Other pending parameter
+    updates still split the step, as Dynamo does."""
+    cls = optimizer.OptimizerVariable
+    call_method, graph_break_if_pending, wrap_tensor = \
+        cls.call_method, cls.graph_break_if_pending_mutation, cls.wrap_tensor
+
+    def pending_grads(self, tx) -> dict | None:
+        effects, out = tx.output.side_effects, {}
+        for group in self.value.param_groups:
+            for p in group["params"]:
+                var = effects.id_to_variable.get(id(p))
+                if var is None or not effects.has_pending_mutation(var):
+                    continue
+                if set(effects.store_attr_mutations.get(var, ())) != {"grad"}:
+                    return None  # another pending update: Dynamo's own graph break
+                out[p] = effects.load_attr(var, "grad")
+        return out
+
+    def patched_call_method(self, tx, name, args, kwargs):
+        pending = pending_grads(self, tx) if name == "_init_group" and \
+            dist_backend_is_tracing() else None
+        if not pending:
+            return call_method(self, tx, name, args, kwargs)
+        from torch._dynamo.variables.constant import ConstantVariable
+
+        saved = {p: p.grad for p in pending}
+        self._dist_stand_ins = {}
+        try:
+            for p, grad in pending.items():
+                if isinstance(grad, ConstantVariable) and grad.value is None:
+                    p.grad = None
+                else:
+                    stand_in = p.detach()
+                    self._dist_stand_ins[id(stand_in)] = (stand_in, grad)
+                    p.grad = stand_in
+            return call_method(self, tx, name, args, kwargs)
+        finally:
+            self._dist_stand_ins = None
+            for p, grad in saved.items():
+                p.grad = grad
+
+    def patched_graph_break_if_pending(self, tx):
+        if getattr(self, "_dist_stand_ins", None) is None:
+            return graph_break_if_pending(self, tx)
+
+    def patched_wrap_tensor(self, tx, value):
+        found = (getattr(self, "_dist_stand_ins", None) or {}).get(id(value))
+        if found is not None and found[0] is value:
+            return found[1]
+        return wrap_tensor(self, tx, value)
+
+    cls.call_method = patched_call_method
+    cls.graph_break_if_pending_mutation = patched_graph_break_if_pending
+    cls.wrap_tensor = patched_wrap_tensor
+
+
+def _install_zero_grad_in_graph(optimizer) -> None:
+    """``opt.zero_grad()`` after the traced ``backward()`` and ``step()``: Dynamo never traces
+    ``zero_grad`` (it splits there, and ``backward()`` with it: the loss is still live). When
+    every parameter's ``.grad`` is either a pending in-graph gradient or None now (guarded to
+    stay None), ``zero_grad()`` (``set_to_none=True``) is just "each pending gradient becomes
+    None", done here. Anything else (nothing pending: ``zero_grad()`` at the top of the step,
+    where the split costs nothing; ``set_to_none=False``; a real ``.grad`` Dynamo has no graph
+    value for) goes to Dynamo's own handling."""
+    from torch._dynamo.guards import GuardBuilder, install_guard
+    from torch._dynamo.source import AttrSource, GetItemSource, GradSource
+    from torch._dynamo.variables.constant import ConstantVariable
+    from torch._dynamo.variables.misc import LambdaVariable
+
+    cls = optimizer.OptimizerVariable
+    var_getattr = cls.var_getattr
+
+    def in_graph(self, tx, set_to_none) -> bool:
+        if not (isinstance(set_to_none, ConstantVariable) and set_to_none.value is True):
+            return False
+        effects, pending, stay_none = tx.output.side_effects, [], []
+        for g, group in enumerate(self.value.param_groups):
+            for k, p in enumerate(group["params"]):
+                var = effects.id_to_variable.get(id(p))
+                if var is not None and effects.has_pending_mutation_of_attr(var, "grad"):
+                    pending.append(var)
+                elif p.grad is None:
+                    stay_none.append(GetItemSource(GetItemSource(GetItemSource(
+                        AttrSource(self.source, "param_groups"), g), "params"), k))
+                else:
+                    return False
+        if not pending:
+            return False
+        for source in stay_none:
+            install_guard(GradSource(source, "grad").make_guard(GuardBuilder.CONSTANT_MATCH))
+        for var in pending:
+            effects.store_attr(var, "grad", ConstantVariable.create(None))
+        return True
+
+    def patched_var_getattr(self, tx, name):
+        found = var_getattr(self, tx, name)
+        if name != "zero_grad" or self.source is None or not dist_backend_is_tracing():
+            return found
+
+        def zero_grad(set_to_none=None, **kwargs):
+            flag = ConstantVariable.create(True) if set_to_none is None else set_to_none
+            if not kwargs and in_graph(self, tx, flag):
+                return ConstantVariable.create(None)
+            args = [] if set_to_none is None else [set_to_none]
+            return found.call_function(tx, args, kwargs)
+
+        # the source rebuilds the bound method where Dynamo splits at the call
+        return LambdaVariable(zero_grad, source=AttrSource(self.source, "zero_grad"))
+
+    cls.var_getattr = patched_var_getattr
+
+
+def _install_backward_reaches_every_leaf() -> None:
+    """Dynamo's traced ``loss.backward()`` differentiates with respect to the leaves it holds as
+    graph inputs. A parameter it first met through ``opt.param_groups`` (the step reads the
+    learning rate before the forward) is a constant attribute to it, so it is left out, and
+    with no leaf left the backward is dropped: no gradient, no error, the model silently not
+    trained. For ``dist``, a backward that would miss a leaf the loss reaches is split from
+    the program instead (Dynamo's behaviour without ``trace_autograd_ops``: correct)."""
+    from itertools import chain
+
+    from torch._dynamo.exc import unimplemented
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    method_backward = TensorVariable.method_backward
+
+    def reached_leaves(value) -> list:
+        seen, todo, out = set(), [value.grad_fn], []
+        while todo:
+            fn = todo.pop()
+            if fn is None or id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            leaf = getattr(fn, "variable", None)  # an AccumulateGrad node
+            if isinstance(leaf, torch.Tensor):
+                out.append(leaf)
+            todo.extend(f for f, _ in fn.next_functions)
+        return out
+
+    def patched(self, tx, gradient=None, retain_graph=None, create_graph=None, inputs=None):
+        value = self.as_proxy().node.meta.get("example_value")
+        if inputs is None and dist_backend_is_tracing() and \
+                isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            held = self._collect_backward_inputs(chain(tx.output.leaf_var_creation_order,
+                                                       tx.output.input_source_to_var.values()))
+            held_ids = {id(v.as_proxy().node.meta.get("example_value")) for v in held}
+            missing = [leaf for leaf in reached_leaves(value) if id(leaf) not in held_ids]
+            if missing:
+                unimplemented(
+                    gb_type="dist: backward() would miss a parameter",
+                    context=f"{len(missing)} leaf tensor(s) the loss reaches are not graph "
+                            f"inputs (first: shape {tuple(missing[0].shape)})",
+                    explanation="Dynamo holds these parameters as constants (it met them "
+                                "through the optimizer first), so a traced backward() would "
+                                "give them no gradient; the step is split at backward() "
+                                "instead",
+                    hints=["read opt.param_groups (learning rate, logging) after the forward, "
+                           "or outside the compiled function"])
+        return method_backward(self, tx, gradient, retain_graph, create_graph, inputs)
+
+    TensorVariable.method_backward = patched
+
+
+def _install_dtensor_output_check(output_graph) -> None:
+    """Dynamo's check that a returned tensor does not need a grad_fn the traced backward
+    consumed (then it splits at ``backward()``; ``return loss.detach()`` avoids that) asserts
+    FakeTensor example values: DTensor ones are checked here the same way and left out of
+    Dynamo's own loop."""
+    from torch._dynamo import exc
+    from torch._dynamo.variables.tensor import TensorVariable
+    from torch.distributed.tensor import DTensor
+
+    cls = output_graph.OutputGraph
+    validate = cls._validate_outputs_safe_for_autograd_nodes
+
+    def dtensor_valued(var) -> bool:
+        return isinstance(var, TensorVariable) and \
+            isinstance(var.as_proxy().node.meta.get("example_value"), DTensor)
+
+    def patched(self, rv, tx):
+        consumed = self.autograd_grad_consumed_grad_fns
+        if not consumed:
+            return None
+        for var in rv:
+            if dtensor_valued(var) and var.requires_grad:
+                value = var.as_proxy().node.meta["example_value"]
+                if value.grad_fn is not None and \
+                        output_graph.collect_reachable_grad_fns([(value, None)]) & consumed:
+                    tx.speculation_log.autograd_grad_leaked_tensors.append(
+                        str(var.source) if var.source else var.proxy.node.name)
+        if tx.speculation_log.autograd_grad_leaked_tensors:
+            tx.speculation_log.graph_break_on_autograd_grad = True
+            raise exc.AutogradGradRestartAnalysis(
+                restart_reason="autograd.grad consumed grad_fns of returned tensors")
+        return validate(self, [v for v in rv if not dtensor_valued(v)], tx)
+
+    cls._validate_outputs_safe_for_autograd_nodes = patched
 
 
 def install_backend_ctx_with_options() -> None:

@@ -425,16 +425,19 @@ def _warn_batch_gathers(record: CompileRecord, axes: Sequence[str]) -> None:
 dist_backend._dynamo_dist_backend = True  # how _compat recognises Dynamo tracing for us
 
 
-def _numbers_specialised():
+def _dynamo_settings():
     """Dynamo's ``backend_ctx_ctor`` around every call: Python numbers (a float attribute such
     as ``Embedding.norm_type``, an int argument) are specialised for ``dist`` -- a new value
     recompiles -- while tensor sizes may be symbolic. Unspecialised, Dynamo passes a changing
-    float as a 0-d tensor read with ``.item()``, a value a plan cannot know."""
-    return _compat.dynamo_numbers_specialised()
+    float as a 0-d tensor read with ``.item()``, a value a plan cannot know. And
+    ``loss.backward()`` / ``opt.step()`` in a compiled function are traced into the program, so
+    a whole training step is planned and compiled as one (``_compat.install_whole_step``)."""
+    return _compat.dynamo_settings_for_dist()
 
 
-dist_backend.backend_ctx_ctor = _numbers_specialised
+dist_backend.backend_ctx_ctor = _dynamo_settings
 _compat.install_backend_ctx_with_options()
+_compat.install_whole_step()
 _compat.install_symbolic_plain_tensor_wrapping()
 # Installed when the backend is first resolved (torch.compile looks it up before Dynamo traces),
 # so programs that never call shard_module (DTensors made by hand) get it too; it changes DTensor

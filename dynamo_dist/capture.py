@@ -299,6 +299,48 @@ def _global_fake(fake_mode, info: InputInfo, x: torch.Tensor, symbolic: bool) ->
     return t.requires_grad_(info.requires_grad)
 
 
+def _seeded_grad(outputs, inputs, grad_outputs=None, **kwargs):
+    """``torch.autograd.grad`` inside the program (a traced ``loss.backward()``), its implicit
+    ones made here under a ``BACKWARD_SEED`` mark: the planner then knows what follows as a
+    backward (data parallelism holds gradients as pending sums there, as for a tangent)."""
+    from inductor_passes.sharding.propagate import BACKWARD_SEED
+
+    if grad_outputs is None:
+        single = isinstance(outputs, torch.Tensor)
+        with _compat.node_annotation({BACKWARD_SEED: True}):
+            grad_outputs = [torch.ones_like(t) for t in _tensors(outputs)]
+        grad_outputs = grad_outputs[0] if single else grad_outputs
+    return torch.autograd.grad(outputs, inputs, grad_outputs, **kwargs)
+
+
+def _check_backward_reaches_every_leaf(node: fx.Node, args, kwargs) -> None:
+    """``loss.backward()`` traced into the program (Dynamo's ``trace_autograd_ops``) becomes
+    ``autograd.grad(loss, leaves, allow_unused=True)`` over the leaves Dynamo knows as graph
+    inputs. A parameter Dynamo read as a constant attribute is missing from that list, and it
+    would get no gradient (silently not trained). So every leaf that requires grad and that the
+    loss reaches must be listed; raises DistCompileError naming the first one missing."""
+    if not kwargs.get("allow_unused") or "backward(" not in (user_source(node) or ""):
+        return  # the user's own autograd.grad: its inputs are what they asked for
+    outputs, inputs = args[0], args[1]
+    listed = {id(t) for t in _tensors(inputs)}
+    seen, todo = set(), [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        leaf = getattr(fn, "variable", None)  # an AccumulateGrad node
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in listed:
+            raise DistCompileError(
+                f"backward() traced into the program does not reach a tensor that requires grad "
+                f"(global shape {tuple(leaf.shape)}): Dynamo read it as a constant, so it "
+                f"would get no gradient", source=user_source(node),
+                shapes=[tuple(leaf.shape)],
+                fix="reach the parameters through the model in the compiled function (not only "
+                    "through the optimizer), or call backward() outside it")
+        todo.extend(f for f, _ in fn.next_functions)
+
+
 class _GlobalInterpreter(fx.Interpreter):
     """Runs the Dynamo graph on plain global tensors, swapping in structure-keeping ops.
 
@@ -341,6 +383,9 @@ class _GlobalInterpreter(fx.Interpreter):
         return out
 
     def call_function(self, target, args, kwargs):
+        if target is torch.autograd.grad:
+            _check_backward_reaches_every_leaf(self._node, args, kwargs)
+            return _seeded_grad(*args, **kwargs)
         if target is torch.baddbmm:
             args, kwargs = _compat.baddbmm_self_expanded(args, kwargs)
         if target is DTensor.from_local:
@@ -575,6 +620,12 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
         tangents = [torch.empty_like(flat_outs[i], requires_grad=False) for i in diff_outputs]
         primals = [p.detach().requires_grad_(i.requires_grad) for p, i in zip(primals, tensor_infos)]
     grad_targets = [k for k, info in enumerate(tensor_infos) if info.requires_grad]
+    if not diff_outputs:
+        # no output needs a gradient: the program takes any gradients itself (a whole training
+        # step: loss.backward() and opt.step() traced in, Dynamo's trace_autograd_ops), so
+        # from outside it is forward only and may update its parameters in place
+        infos = [dataclasses.replace(i, requires_grad=False) for i in infos]
+        tensor_infos = [i for i in infos if i.kind in TENSOR_KINDS]
 
     def joint(primals, tangents):
         # backward nodes take the stack trace of the forward node they differentiate, as in
@@ -734,6 +785,9 @@ def _functionalize(joint_gm: fx.GraphModule, primals, tangents) -> fx.GraphModul
     def joint(primals, tangents):  # argument names give the AOT placeholder names
         return functional(primals, tangents)
 
+    # the joint graph already holds its backward: nothing here needs autograd (and writing an
+    # updated input back would trip over a leaf that requires grad)
+    primals = [p.detach() for p in primals]
     with torch.fx.traceback.preserve_node_meta():
         return _compat.make_fx(joint, tracing_mode="fake", record_stack_traces=True)(
             primals, tangents)

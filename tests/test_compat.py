@@ -128,7 +128,7 @@ def test_inductor_reads_an_in_place_draw_after_it_is_made():
 def test_dist_compile_leaves_dynamo_settings_as_they_were(fake_mesh, dynamic):
     """backend="dist" traces sizes as ``dynamic=`` says (symbolic under dynamic=True; under
     automatic dynamic shapes from the second size on) and Python numbers specialised
-    (``dynamo_numbers_specialised``), and leaves Dynamo's settings as they were after each
+    (``dynamo_settings_for_dist``), and leaves Dynamo's settings as they were after each
     call, for the next compile of any backend."""
     from torch._dynamo import config
     from torch.distributed.tensor import Shard, distribute_tensor

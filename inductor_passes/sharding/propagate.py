@@ -69,11 +69,18 @@ class Plan:
         return "\n".join(lines)
 
 
+# node.meta["custom"] key marking the gradient seed of a backward traced inside the program
+# (``loss.backward()`` in a compiled training step): a tangent made in the graph, not passed in
+BACKWARD_SEED = "dynamo_dist_backward_seed"
+
+
 def tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes that depend on any tangent placeholder: the backward part of a joint graph."""
+    """Nodes that depend on any tangent placeholder or in-graph gradient seed: the backward
+    part of a joint graph."""
     bwd: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op == "placeholder" and node.name.startswith("tangents"):
+        if node.op == "placeholder" and node.name.startswith("tangents") or \
+                (node.meta.get("custom") or {}).get(BACKWARD_SEED):
             bwd.add(node)
         elif any(a in bwd for a in node.all_input_nodes):
             bwd.add(node)
