@@ -235,6 +235,16 @@ def dist_backend_is_tracing() -> bool:
     return False
 
 
+def dynamo_frame_file() -> str | None:
+    """The file of the frame Dynamo is compiling (the backend runs inside its trace), or None
+    outside one (2.11, 2.13)."""
+    from torch._dynamo import symbolic_convert
+
+    tx = getattr(symbolic_convert.tls, "current_tx", None)
+    code = getattr(tx, "f_code", None)
+    return getattr(code, "co_filename", None)
+
+
 def _dist_tracing() -> bool:
     """Dynamo is tracing (fake values, possibly a proxy) a frame for the ``dist`` backend."""
     from torch.distributed._functional_collectives import _are_we_tracing
@@ -1146,6 +1156,22 @@ def _install_zero_grad_in_graph(optimizer) -> None:
     cls.var_getattr = patched_var_getattr
 
 
+def autograd_leaves(tensors) -> list[torch.Tensor]:
+    """The leaf tensors that requires-grad ``tensors`` reach through their autograd graphs
+    (each ``AccumulateGrad`` node's variable), each once, in no set order."""
+    seen, todo, out = set(), [t.grad_fn for t in tensors], []
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        leaf = getattr(fn, "variable", None)  # an AccumulateGrad node
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        todo.extend(f for f, _ in fn.next_functions)
+    return out
+
+
 def _install_backward_reaches_every_leaf() -> None:
     """Dynamo's traced ``loss.backward()`` differentiates with respect to the leaves it holds as
     graph inputs. A parameter it first met through ``opt.param_groups`` (the step reads the
@@ -1160,19 +1186,6 @@ def _install_backward_reaches_every_leaf() -> None:
 
     method_backward = TensorVariable.method_backward
 
-    def reached_leaves(value) -> list:
-        seen, todo, out = set(), [value.grad_fn], []
-        while todo:
-            fn = todo.pop()
-            if fn is None or id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            leaf = getattr(fn, "variable", None)  # an AccumulateGrad node
-            if isinstance(leaf, torch.Tensor):
-                out.append(leaf)
-            todo.extend(f for f, _ in fn.next_functions)
-        return out
-
     def patched(self, tx, gradient=None, retain_graph=None, create_graph=None, inputs=None):
         value = self.as_proxy().node.meta.get("example_value")
         if inputs is None and dist_backend_is_tracing() and \
@@ -1180,7 +1193,7 @@ def _install_backward_reaches_every_leaf() -> None:
             held = self._collect_backward_inputs(chain(tx.output.leaf_var_creation_order,
                                                        tx.output.input_source_to_var.values()))
             held_ids = {id(v.as_proxy().node.meta.get("example_value")) for v in held}
-            missing = [leaf for leaf in reached_leaves(value) if id(leaf) not in held_ids]
+            missing = [leaf for leaf in autograd_leaves([value]) if id(leaf) not in held_ids]
             if missing:
                 unimplemented(
                     gb_type="dist: backward() would miss a parameter",

@@ -115,6 +115,10 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
     inductor = bool(opts.pop("inductor", True))
     simulate = bool(opts.pop("simulate", False))
     agreement.begin_graph()
+    if (_compat.dynamo_frame_file() or "").startswith(_DTENSOR_PACKAGE):
+        # DTensor's own code, entered while a step Dynamo split runs eagerly (autograd calling
+        # from_local's backward, DTensor's dispatch): not a program to plan, run as DTensor runs it
+        return gm.forward
     try:
         # compiled-autograd backward graphs (and forwards carrying module backward hooks) are
         # local code already: compiled as they are, user collectives kept
@@ -128,6 +132,9 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
         agreement.publish_failure(exc)
         raise
     return compiled
+
+
+_DTENSOR_PACKAGE = os.path.dirname(torch.distributed.tensor.__file__)
 
 
 def _code_name(gm: fx.GraphModule) -> str:

@@ -323,14 +323,8 @@ def _check_backward_reaches_every_leaf(node: fx.Node, args, kwargs) -> None:
         return  # the user's own autograd.grad: its inputs are what they asked for
     outputs, inputs = args[0], args[1]
     listed = {id(t) for t in _tensors(inputs)}
-    seen, todo = set(), [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
-    while todo:
-        fn = todo.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        leaf = getattr(fn, "variable", None)  # an AccumulateGrad node
-        if isinstance(leaf, torch.Tensor) and id(leaf) not in listed:
+    for leaf in _compat.autograd_leaves(_tensors(outputs)):
+        if id(leaf) not in listed:
             raise DistCompileError(
                 f"backward() traced into the program does not reach a tensor that requires grad "
                 f"(global shape {tuple(leaf.shape)}): Dynamo read it as a constant, so it "
@@ -338,7 +332,6 @@ def _check_backward_reaches_every_leaf(node: fx.Node, args, kwargs) -> None:
                 shapes=[tuple(leaf.shape)],
                 fix="reach the parameters through the model in the compiled function (not only "
                     "through the optimizer), or call backward() outside it")
-        todo.extend(f for f, _ in fn.next_functions)
 
 
 class _GlobalInterpreter(fx.Interpreter):
@@ -562,8 +555,11 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
     dynamic shapes), in Dynamo's ShapeEnv; with ``symbolic=False`` at the sizes of
     ``example_inputs`` (the caller has guarded them: ``symbolic.specialise``).
     In-place updates are functionalised; an updated input becomes an extra forward output
-    (``mutated_inputs``). Raises DistCompileError when an input that requires grad is updated in
-    place, or when a value's shape depends on tensor data.
+    (``mutated_inputs``). A ``backward()`` traced into the program (a whole training step) is
+    recorded in the same graph, its seed marked ``BACKWARD_SEED``. Raises DistCompileError when
+    an input that requires grad is updated in place by a program with a differentiable output,
+    when a traced ``backward()`` misses a leaf the loss reaches, or when a value's shape depends
+    on tensor data.
     """
     symbolic, example_inputs = symbolic_inputs(gm, example_inputs) if symbolic else \
         (None, [_compat.static_size(x) if isinstance(x, torch.SymInt) else x

@@ -154,3 +154,24 @@ def test_other_backends_keep_dynamo_s_own_behaviour():
         torch.compile(train_step, backend="eager", fullgraph=True)(_ids(4, 8, 0))
     assert not torch._dynamo.config.trace_autograd_ops
     torch._dynamo.reset()
+
+
+def test_capture_refuses_a_traced_backward_that_misses_a_leaf():
+    """Capture's own check, under Dynamo's: a traced ``backward()`` (``autograd.grad`` with
+    ``allow_unused`` from a ``.backward(`` line) must list every leaf the loss reaches, or it
+    raises naming the missing leaf's shape; a user's own ``autograd.grad`` is left as asked."""
+    import torch.fx as fx
+
+    from dynamo_dist.capture import _check_backward_reaches_every_leaf
+    from dynamo_dist.errors import DistCompileError
+
+    graph = fx.Graph()
+    node = graph.call_function(torch.autograd.grad, ())
+    node.meta["stack_trace"] = '  File "train.py", line 7, in step\n    loss.backward()\n'
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(2, 3, requires_grad=True)
+    loss = (a * b).sum()
+    _check_backward_reaches_every_leaf(node, (loss, [a, b]), {"allow_unused": True})
+    with pytest.raises(DistCompileError, match=r"\(2, 3\)"):
+        _check_backward_reaches_every_leaf(node, (loss, [a]), {"allow_unused": True})
+    _check_backward_reaches_every_leaf(node, (loss, [a]), {})  # the user's own autograd.grad
