@@ -21,10 +21,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
+
+from .bench.torchrun import run_worker, sharded_demo_llama
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEADY_STEPS = 8
@@ -32,26 +31,13 @@ STEADY_STEPS = 8
 
 def worker(mode: str, mesh_text: str) -> None:
     """One rank of one run (under torchrun): prints a JSON line on rank 0."""
-    import copy
-
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from dynamo_dist import compile_records
-    from dynamo_dist.models import LlamaSize, build_llama, token_batch
-    from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
+    from dynamo_dist.models import token_batch
 
-    dist.init_process_group("gloo")
-    axis = mesh_text.split("=")[0]
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
-    torch.manual_seed(0)
-    size = LlamaSize(layers=2, seq=32)
-    ref = build_llama(size)
-    ref.config.use_cache = False
-    model = copy.deepcopy(ref)
-    planner = TensorParallelPlanner() if axis == "tp" else DataParallelPlanner(mesh_axis_size=2)
-    shard_module(model, mesh, planner.build_plan(model))
+    size, ref, model = sharded_demo_llama(mesh_text)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
 
@@ -95,18 +81,7 @@ def worker(mode: str, mesh_text: str) -> None:
 
 
 def run_once(mode: str, port: int, mesh_text: str) -> dict:
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=cache,
-                   PYTHONPATH=os.path.dirname(HERE))
-        out = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-             f"--master-port={port}", "-m", "benchmarks.whole_step", "--worker",
-             "--mode", mode, "--mesh", mesh_text],
-            capture_output=True, text=True, env=env, timeout=1800)
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("{")), None)
-    if out.returncode or line is None:
-        raise RuntimeError(f"run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return json.loads(line)
+    return run_worker("benchmarks.whole_step", ["--mode", mode, "--mesh", mesh_text], port)
 
 
 def main() -> None:

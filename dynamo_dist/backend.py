@@ -117,7 +117,8 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
     agreement.begin_graph()
     if (_compat.dynamo_frame_file() or "").startswith(_DTENSOR_PACKAGE):
         # DTensor's own code, entered while a step Dynamo split runs eagerly (autograd calling
-        # from_local's backward, DTensor's dispatch): not a program to plan, run as DTensor runs it
+        # from_local's backward, DTensor's dispatch): local bookkeeping, not a global program
+        # to plan; run as DTensor runs it
         return gm.forward
     try:
         # compiled-autograd backward graphs (and forwards carrying module backward hooks) are

@@ -7,8 +7,9 @@ Variants (``--variant``):
   returns_loss ``return loss``: Dynamo splits at ``backward()`` (the loss's graph is consumed);
   lr_first     the step reads ``opt.param_groups`` before its forward: Dynamo holds the
                parameters as constants, so a traced backward would miss them; split instead.
-Only ``one_program`` is in the suite: ``lr_first`` still crashes in most runs (SIGSEGV in
-DTensor's C++ dispatch of ``ones_like`` on the loss; design notes, Known gaps).
+Only ``one_program`` is in the suite: the split variants crash in about 3 runs of 4 (SIGSEGV in
+DTensor's C++ dispatch of ``ones_like`` on the loss, also before the whole-step work; design
+notes, Known gaps).
 Prints one JSON line on rank 0: worst per-step loss error, parameters after the last step,
 graphs compiled, graph breaks, and the step's collectives against the forward+backward compiled
 alone. Exit 1 if the numbers differ."""
