@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -158,6 +160,8 @@ def preserve_backward_stack_traces(grad_fns: list) -> None:
 
 # -- compiled autograd (2.13) ------------------------------------------------------------------
 from torch.fx.experimental._backward_state import BackwardState  # noqa: E402,F401 (hooks' carrier)
+
+log = logging.getLogger("dynamo_dist")
 
 
 def compiled_autograd_id() -> int | None:
@@ -354,7 +358,7 @@ def install_dynamo_tracing_fallback() -> None:
     # later eager DTensor calls would replicate too (seen: an unevenly sharded view that DTensor
     # rejects eagerly passed after a dist compile). Dropped when the Dynamo compile ends.
     def forget(_args=None) -> None:
-        if state["substituted"]:
+        if state["substituted"] or _cache_clear_pending:
             _clear_dtensor_sharding_caches()
             state["substituted"] = False
 
@@ -369,6 +373,7 @@ def install_dynamo_tracing_fallback() -> None:
     # them and deadlock on its own callback lock
     _keep_callbacks(callback_handler, torch.compiler.disable(fresh),
                     torch.compiler.disable(forget))
+    _no_compiles_inside_dtensor_dispatch()
 
 
 def _guards_suppressed() -> contextlib.AbstractContextManager:
@@ -541,9 +546,55 @@ def _keep_callbacks(handler, start, end) -> None:
 
     handler.clear = clear_and_keep
 
+# The C++ methods of DTensor's dispatcher that run Python between taking a pointer to this
+# thread's sharding cache and inserting the op's sharding into it (2.13's python_variable.cpp,
+# dispatchDTensorOp, on a cache miss).
+_DISPATCH_CACHE_WINDOW = ("unwrap_to_op_info", "_unwrap_to_op_info_impl",
+                          "_propagate_op_sharding_dispatch_slow_path")
+_DTENSOR_DIR = os.path.dirname(torch.distributed.tensor.__file__) + os.sep
+_cache_clear_pending = False
+
+
+def _no_compiles_inside_dtensor_dispatch() -> None:
+    """Dynamo never compiles frames DTensor's eager dispatch runs on a cache miss.
+
+    Eager DTensor code between two graphs of a split step runs under Dynamo's frame hook, which
+    compiled the frames these methods call; each compile's start and end callbacks clear
+    DTensor's caches, and freeing the C++ cache under the dispatch that is about to insert into
+    it crashed real ranks at random (SIGSEGV in dispatchDTensorOp on ``ones_like(loss)`` in
+    ``loss.backward()``). Idempotent; a missing method (another torch) is left alone."""
+    cls = type(_dtensor_dispatcher())
+    for name in _DISPATCH_CACHE_WINDOW:
+        method = getattr(cls, name, None)
+        if method is not None and not getattr(method, "_dynamo_dist_no_compile", False):
+            wrapped = torch.compiler.disable(method)
+            wrapped._dynamo_dist_no_compile = True
+            setattr(cls, name, wrapped)
+
+
+def _inside_dtensor_code() -> bool:
+    """Whether DTensor's own Python is on this thread's stack (its C++ dispatch may be below it,
+    holding a pointer into the sharding cache)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_DTENSOR_DIR):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _clear_dtensor_sharding_caches() -> None:
     """DTensor's Python and C++ sharding-propagation caches (2.13: one debug helper; older
-    builds: the Python LRU cache, and the C++ one where it exists)."""
+    builds: the Python LRU cache, and the C++ one where it exists).
+
+    Deferred to the next call made outside DTensor's code when DTensor's Python is on the
+    stack: clearing there frees the C++ cache an enclosing dispatch still writes to."""
+    global _cache_clear_pending
+    if _inside_dtensor_code():
+        _cache_clear_pending = True
+        log.debug("dist: DTensor sharding-cache clear deferred (inside DTensor's dispatch)")
+        return
+    _cache_clear_pending = False
     try:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     except ImportError:

@@ -48,7 +48,13 @@ class _DistFunction(torch.autograd.Function):
         return user
 
     @staticmethod
+    @torch.compiler.disable
     def backward(ctx, *grads):
+        # Autograd calls this outside the disabled call Dynamo wraps a compiled graph in; a
+        # step Dynamo split at ``loss.backward()`` runs it under Dynamo's frame hook, which
+        # compiled this frame and the compiled program's own code under dist again (and failed
+        # on Inductor's in-place collectives). torch's own backward frames are skipped as
+        # torch files; ours is not.
         step: DistStep = ctx.step
         if step.joint.backward is None:
             raise RuntimeError("this program was compiled without a backward (no input required "

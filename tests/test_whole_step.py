@@ -175,3 +175,39 @@ def test_capture_refuses_a_traced_backward_that_misses_a_leaf():
     with pytest.raises(DistCompileError, match=r"\(2, 3\)"):
         _check_backward_reaches_every_leaf(node, (loss, [a]), {"allow_unused": True})
     _check_backward_reaches_every_leaf(node, (loss, [a]), {})  # the user's own autograd.grad
+
+
+def test_split_step_never_frees_dtensor_caches_under_dtensor_s_dispatch(fake_mesh, monkeypatch):
+    """A step Dynamo splits at ``loss.backward()`` (it returns ``loss``) runs the backward
+    eagerly under Dynamo's frame hook. DTensor's C++ dispatch, on a sharding-cache miss, runs
+    Python between taking a pointer to its thread's cache and inserting into it; Dynamo compiled
+    frames there, and each compile's callbacks cleared DTensor's caches, freeing the map being
+    written: SIGSEGV on real ranks in about 3 runs of 4. Here every real clear is recorded with
+    whether DTensor's dispatch was on the stack: none may be, at least one happens (the
+    callbacks still run), and the split step trains like one process."""
+    import inspect
+
+    import torch.distributed.tensor.debug as dtensor_debug
+
+    clears = []
+    real_clear = dtensor_debug._clear_fast_path_sharding_prop_cache
+
+    def recording_clear():
+        clears.append(any(f.filename.endswith(("tensor/_dispatch.py", "tensor\\_dispatch.py"))
+                          for f in inspect.stack(context=0)))
+        real_clear()
+
+    monkeypatch.setattr(dtensor_debug, "_clear_fast_path_sharding_prop_cache", recording_clear)
+    torch._dynamo.reset()
+    rt, ref, model, opt, ref_opt = _setup("tp", OPTIMIZERS["adamw"])
+
+    def train_step(ids):
+        loss = model(ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = torch.compile(train_step, backend="dist", options=rt.options())
+    _train(rt, ref, model, opt, ref_opt, step, steps=2)
+    assert clears and not any(clears), clears
