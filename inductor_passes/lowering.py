@@ -29,7 +29,7 @@ from .redistribute import AxisGroup, mesh_axes, redistribute
 from .sharding.placements import (Placements, fmt, is_placements, is_strided, local_shape,
                                   replicate)
 from .sharding.propagate import Plan, replicate_source, tangent_dependent
-from .sharding.rules import GETITEM, OpSpec, tensor_args
+from .sharding.rules import GETITEM, OpSpec, local_impl, tensor_args
 from .sharding.rules.moments import lower_split, splits_reduced_dim
 
 aten = torch.ops.aten
@@ -246,6 +246,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 out = _on_global_layout(target, targs[0].meta["val"], args, kwargs)
             elif splits_reduced_dim(node, spec):  # a variance over a split dim (batch norm)
                 out = lower_split(node, local_in[targs[0]], spec, in_op_reduce(node))
+            elif (own := local_impl(node, spec)) is not None:  # a vocabulary-split embedding
+                out = own(args, kwargs, mesh_shape, coord)
             else:
                 out = target(*args, **kwargs)
             _check_local(node, out, np.output, mesh_shape, mesh, coord)

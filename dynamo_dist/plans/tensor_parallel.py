@@ -57,6 +57,11 @@ class TensorParallelPlanner(ShardingPlanner):
     k x n divides its width; otherwise, and for unequal parts, contiguously, which regathers).
     Projections that pair with nothing (the output head, a MoE router, a pooler) stay
     replicated, except the output head with ``shard_output_head`` (vocabulary-parallel logits).
+    Embedding tables stay replicated, or with ``shard_embedding`` are split over the vocabulary
+    (``Shard(0)``: Megatron-LM's VocabParallelEmbedding; each rank looks up the rows it holds,
+    and one all_reduce of the looked-up rows per forward sums them; the table's memory and its
+    optimizer state are divided by the axis size; not for ``max_norm`` tables, which renormalise
+    the rows they look up in place, or sparse ones).
     Given ``mesh_axis_size``, a column projection whose output is viewed as a number of heads
     that size does not divide (multi-query attention's single key/value head) stays replicated:
     a split would cut a head. Without example inputs
@@ -68,6 +73,7 @@ class TensorParallelPlanner(ShardingPlanner):
 
     axis: str = "tp"
     shard_output_head: bool = False
+    shard_embedding: bool = False
     mesh_axis_size: int | None = None
 
     def build_plan(self, module: nn.Module, base: ShardingPlan | None = None, *,
@@ -126,6 +132,17 @@ class TensorParallelPlanner(ShardingPlanner):
                                            Shard(p.ndim - 1), "head table",
                                            "its columns are attention heads (a relative position "
                                            "bias added to each head's scores): split with them"))
+        for p, names in groups:
+            if id(p) in decided or not self.shard_embedding or \
+                    not _splittable_table(_owner(module, names[0])):
+                continue
+            decided.add(id(p))
+            for n in names:
+                plan[n] = {self.axis: Shard(0)}
+            decisions.append(ParamDecision(tuple(names), tuple(p.shape), self.axis, Shard(0),
+                                           VOCAB_PARALLEL,
+                                           "each rank looks up the rows it holds; one all_reduce "
+                                           "of the looked-up rows (shard_embedding=True)"))
         for p, names in groups:
             if id(p) not in decided:
                 decisions.append(ParamDecision(tuple(names), tuple(p.shape), self.axis,
@@ -219,13 +236,28 @@ def _output_head(module: nn.Module) -> nn.Parameter | None:
     return getattr(head, "weight", None)
 
 
+VOCAB_PARALLEL = "vocabulary-parallel embedding"
+
+
+def _owner(module: nn.Module, name: str) -> nn.Module:
+    owner_name = name.rpartition(".")[0]
+    return module.get_submodule(owner_name) if owner_name else module
+
+
+def _splittable_table(owner: nn.Module) -> bool:
+    """An ``nn.Embedding`` a vocabulary split computes right: no in-place renormalisation of
+    the rows it reads (``max_norm``), a dense gradient."""
+    return isinstance(owner, nn.Embedding) and owner.max_norm is None and not owner.sparse
+
+
 def _why_not_projection(module: nn.Module, name: str, p) -> str:
-    owner_name, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
+    leaf = name.rpartition(".")[2]
+    owner = _owner(module, name)
     kind = type(owner).__name__
     if isinstance(owner, nn.Embedding):
-        return "embedding table: every lookup may need any row (vocabulary-parallel " \
-               "embeddings are not planned)"
+        return "embedding table (set shard_embedding=True to split it over the vocabulary: " \
+               "one all_reduce of the looked-up rows per forward)" if _splittable_table(owner) \
+            else "embedding table with max_norm or a sparse gradient: kept whole"
     if isinstance(owner, nn.modules.conv._ConvNd):
         return f"convolution {kind}.{leaf}: tensor parallelism plans projections only (use " \
                f"DataParallelPlanner for ConvNets)"

@@ -143,17 +143,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
-def plan_model(model: torch.nn.Module, axes: dict[str, int]):
-    """The stock planners, as a user composes them: Megatron on ``tp``, FSDP on ``dp``."""
-    plan = TensorParallelPlanner(axis="tp", mesh_axis_size=axes["tp"]).build_plan(model) \
-        if "tp" in axes else None
+def plan_model(model: torch.nn.Module, axes: dict[str, int], tp_options: dict | None = None):
+    """The stock planners, as a user composes them: Megatron on ``tp`` (``tp_options``: more
+    ``TensorParallelPlanner`` knobs, such as ``shard_embedding``), FSDP on ``dp``."""
+    plan = TensorParallelPlanner(axis="tp", mesh_axis_size=axes["tp"], **(tp_options or {})
+                                 ).build_plan(model) if "tp" in axes else None
     if "dp" in axes:
         plan = DataParallelPlanner(axis="dp", mesh_axis_size=axes["dp"]).build_plan(model, plan)
     return plan
 
 
-def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3) -> dict:
-    """Train ``zm`` on the mesh ``mesh_text`` for ``steps`` AdamW steps; the result row."""
+def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3,
+             tp_options: dict | None = None) -> dict:
+    """Train ``zm`` on the mesh ``mesh_text`` for ``steps`` AdamW steps; the result row.
+    ``tp_options``: knobs of the tensor-parallel planner (``plan_model``)."""
     axes = parse_mesh(mesh_text)
     row: dict[str, Any] = {"model": zm.name, "family": zm.family, "mesh": mesh_text,
                            "runtime": rt.name, "inductor": rt.inductor, "status": "crash"}
@@ -163,7 +166,7 @@ def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3) -> dict:
     logs = _CapturedLog()
     try:
         with logs, _inductor_random_as_eager(), _quiet_transformers_warn_once():
-            _train(zm, axes, rt, steps, row)
+            _train(zm, axes, rt, steps, row, tp_options)
     except ReplicaMismatch as exc:
         row.update(status="WRONG", error=str(exc))
     except DistCompileError as exc:
@@ -194,11 +197,12 @@ def _quiet_transformers_warn_once():
         yield
 
 
-def _train(zm: ZooModel, axes: dict[str, int], rt: Runtime, steps: int, row: dict) -> None:
+def _train(zm: ZooModel, axes: dict[str, int], rt: Runtime, steps: int, row: dict,
+           tp_options: dict | None = None) -> None:
     mesh = rt.setup(axes)
     ref = zm.build()
     model = copy.deepcopy(ref)
-    plan = plan_model(model, axes)
+    plan = plan_model(model, axes, tp_options)
     row["params"] = _param_summary(model, plan)
     projections = None
     if "tp" in axes:

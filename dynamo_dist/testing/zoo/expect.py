@@ -2,7 +2,7 @@
 against.
 
 Tensor parallelism (Megatron-LM, Shoeybi et al. 2019), per step: one all_reduce in the forward
-after every row-parallel projection, and one in the backward for every activation that
+after every row-parallel projection and vocabulary-parallel embedding, and one in the backward for every activation that
 column-parallel projections read (projections that read one activation, q/k/v or gate/up, have
 their input gradients summed first), plus, for key/value projections kept whole because the
 heads do not split (multi-query attention), one for each one's output gradient; nothing else
@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from dynamo_dist.plans import ShardingPlan
 from dynamo_dist.plans.dataflow import Projection
+from dynamo_dist.plans.tensor_parallel import VOCAB_PARALLEL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,7 @@ def _megatron(plan: ShardingPlan, params, projections) -> list[Expected]:
     rows, column_roots, whole = 0, set(), 0
     for d in plan.decisions:
         whole += d.axis == "tp" and d.role == "whole heads"
+        rows += d.axis == "tp" and d.role == VOCAB_PARALLEL  # its rows are summed like a row's
         if d.axis != "tp" or not d.sharded:
             continue
         proj = projections.get(id(params[d.names[0]]))
@@ -66,7 +68,8 @@ def _megatron(plan: ShardingPlan, params, projections) -> list[Expected]:
         elif d.role == "column":
             column_roots.update(proj.input_roots)
     return [Expected("tp", "forward", "all_reduce", rows, True,
-                     "one after each row-parallel projection"),
+                     "one after each row-parallel projection and vocabulary-parallel "
+                     "embedding"),
             Expected("tp", "backward", "all_reduce", len(column_roots) + whole, True,
                      "one per activation read by column-parallel projections" +
                      (", one per whole-head key/value projection's output gradient (multi-query "

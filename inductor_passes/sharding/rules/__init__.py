@@ -7,15 +7,16 @@ OpSpec records which one produced it (``source``):
 1. native rules written here per op family, for ONE mesh axis and expanded to N-D meshes by
    ``expand_to_mesh``: pointwise ops (from ``torch.Tag.pointwise``, with Partial kept only
    through ops that are linear in that argument), matmuls as einsum strings, indexing,
-   scatter and grouped GEMMs, factory ops, sharding constraints;
-2. DTensor's strategy registry, through ``rules.dtensor`` (views, reductions, embedding, ...);
+   scatter and grouped GEMMs, embeddings (the vocabulary split, with a local computation of
+   its own: ``local_impl``), factory ops, sharding constraints;
+2. DTensor's strategy registry, through ``rules.dtensor`` (views, reductions, ...);
 3. none: the op runs replicated (every input all-gathered), which propagation logs with its cost.
 
 Each family lives in its own module (``pointwise``, ``matmul``, ``attention``, ``conv``,
-``pool``, ``moments``, ``indexing``, ``grouped_mm``, ``manual``, ``dtensor``); this module
-dispatches a node to its family, applies the filters every OpSpec must pass (``op_strategy``),
-and prices what an OpSpec costs beyond its input redistributes (``node_cost``: compute,
-collectives inside the op).
+``pool``, ``moments``, ``indexing``, ``embedding``, ``grouped_mm``, ``manual``, ``dtensor``);
+this module dispatches a node to its family, applies the filters every OpSpec must pass
+(``op_strategy``), and prices what an OpSpec costs beyond its input redistributes
+(``node_cost``: compute, collectives inside the op).
 Block-strided sharding (``_StridedShard``) is added on top of every family by ``strided``: rules
 are asked with its Shard twin and their answers lifted.
 """
@@ -39,6 +40,7 @@ from .base import (GETITEM, AxisOption, OpSpec, expand_multi_output, expand_to_m
                    replicated_spec, tensor_args, val_shape)
 from .conv import CONV, conv_flops, conv_strategy
 from .dtensor import dtensor_strategy
+from .embedding import EMBEDDING, embedding_strategy, local_impl
 from .grouped_mm import GROUPED_MM, grouped_mm_strategy
 from .indexing import INDEXING, slice_scatter_strategy
 from .manual import manual_strategy
@@ -50,7 +52,7 @@ from .strided import RESHAPES, Strided, with_strided
 
 __all__ = ["GETITEM", "AxisOption", "OpSpec", "Strided", "expand_multi_output",
            "expand_to_mesh", "PLANNED_WHOLE", "has_node_cost", "is_pointwise", "is_random",
-           "node_cost", "op_strategy", "replicated_spec", "tensor_args", "val_shape"]
+           "local_impl", "node_cost", "op_strategy", "replicated_spec", "tensor_args", "val_shape"]
 
 aten = torch.ops.aten
 
@@ -94,7 +96,8 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
 
 # rules whose kernels compute right on an empty local piece (0 rows of a matmul, of a sum)
 _EMPTY_OK = ("pointwise", "einsum:", "reverse", "slice_scatter", "index_put", "scatter",
-             "gather", "histc", "cumsum", "grouped_mm_fallback", "masked_index", "moments")
+             "gather", "histc", "cumsum", "grouped_mm_fallback", "masked_index", "moments",
+             "embedding")
 
 
 def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> bool:
@@ -203,6 +206,8 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
         return slice_scatter_strategy(node, mesh_shape)
     if op in INDEXING:
         return INDEXING[op](node, mesh_shape)
+    if op in EMBEDDING:
+        return embedding_strategy(node, mesh_shape)
     if _op_name(op) in GROUPED_MM:
         return grouped_mm_strategy(node, mesh_shape)
     if op in ATTENTION:

@@ -1,0 +1,134 @@
+"""Embedding lookups and their backward, the vocabulary split included.
+
+``aten.embedding(weight [V, H], indices [*]) -> [*, H]`` and
+``aten.embedding_dense_backward(grad [*, H], indices [*], V, padding_idx, scale) -> [V, H]``.
+Per mesh axis the options are:
+
+- forward: everything replicated; the hidden dim split (weight Shard(1) -> output Shard(-1));
+  the indices split on any of their dims (output split there); a Partial weight (the lookup is
+  linear in it); and the **vocabulary split**: weight Shard(0), indices Replicate -> output
+  Partial(sum). Each rank looks up the rows it holds (indices shifted by its piece's offset)
+  and zeroes the lookups of rows it does not hold, so the ranks' outputs add up to the global
+  lookup: Megatron-LM's VocabParallelEmbedding (Shoeybi et al., 2019), DTensor's
+  ``_MaskPartial``, which we do not lower as a placement;
+- backward: the mirror images -- grad Shard(-1) -> Shard(1); grad and indices split on one of
+  the indices' dims -> Partial(sum) (each rank adds its own tokens' rows); a Partial grad ->
+  Partial; and grad and indices Replicate -> **Shard(0)**: each rank accumulates only the rows
+  it holds (the other tokens masked to zero), so a vocabulary-split weight gets its gradient
+  where it lives, with no collective.
+
+The vocabulary options need a local computation of their own (``local_impl``); every other
+option is the op run on local pieces. Uneven and empty pieces follow ``placements.shard_range``.
+With ``scale_grad_by_freq`` the backward divides by each row's token count, which neither a
+masked nor a token-split computation has: only the replicated, hidden-split and Partial options
+are offered then.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from ..placements import Placements, shard_range
+from .base import OpSpec, expand_to_mesh, val_shape
+
+aten = torch.ops.aten
+EMBEDDING = {aten.embedding.default, aten.embedding_dense_backward.default}
+SOURCE = "embedding"
+VOCAB_SOURCE = "embedding:vocab"
+P, R = Partial("sum"), Replicate()
+
+
+def _arg(node: fx.Node, i: int, name: str, default):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def embedding_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
+    """Every OpSpec of an embedding or its dense backward on ``mesh_shape`` (module doc)."""
+    shapes = [val_shape(a) for a in node.args[:2]]
+    out = val_shape(node)
+    if node.target is aten.embedding.default:
+        k = len(shapes[1])  # the indices' rank: the output's hidden dim is k
+        options = [((R, R), R), ((Shard(1), R), Shard(k)), ((P, R), P)] + \
+            [((R, Shard(d)), Shard(d)) for d in range(k)]
+        vocab = [((Shard(0), R), P)]
+    else:
+        k = len(shapes[1])
+        options = [((R, R), R), ((Shard(k), R), Shard(1)), ((P, R), P)]
+        vocab = []
+        if not _arg(node, 4, "scale_grad_by_freq", False):
+            options += [((Shard(d), Shard(d)), P) for d in range(k)]
+            vocab = [((R, R), Shard(0))]
+    plain = [OpSpec(s.inputs, s.output, SOURCE)
+             for s in expand_to_mesh(options, mesh_shape, shapes, out, SOURCE)]
+    every = expand_to_mesh(options + vocab, mesh_shape, shapes, out, SOURCE)
+    split = [OpSpec(s.inputs, s.output, VOCAB_SOURCE) for s in every
+             if _vocab_axes(node, s)]
+    return plain + split
+
+
+def _vocab_axes(node: fx.Node, spec: OpSpec) -> list[int]:
+    """Mesh axes on which ``spec`` splits the vocabulary (the weight's, or its gradient's,
+    dim 0)."""
+    pls = spec.inputs[0] if node.target is aten.embedding.default else spec.output
+    return [a for a, p in enumerate(pls) if type(p) is Shard and p.dim == 0]
+
+
+def _vocab_piece(size: int, pls: Placements, mesh_shape: Sequence[int],
+                 coord: Sequence[int]) -> tuple[int, int]:
+    """(first GLOBAL row, rows) of this rank's piece of a vocabulary of ``size`` rows split
+    on dim 0 by ``pls`` (nested splits in mesh-axis order, as ``local_shape`` reads them)."""
+    offset = 0
+    for axis, p in enumerate(pls):
+        if type(p) is Shard and p.dim == 0:
+            start, size = shard_range(size, mesh_shape[axis], coord[axis])
+            offset += start
+    return offset, size
+
+
+def local_impl(node: fx.Node, spec: OpSpec) -> Callable | None:
+    """The local computation of ``spec`` on one rank where it is not the op itself (the
+    vocabulary split), else None. The callable takes (local args, kwargs, mesh_shape,
+    coordinate) and returns the LOCAL result."""
+    if node.target not in EMBEDDING or spec.source != VOCAB_SOURCE:
+        return None
+    vocab = node.args[0].meta["val"].shape[0] if node.target is aten.embedding.default \
+        else node.meta["val"].shape[0]
+    pls = spec.inputs[0] if node.target is aten.embedding.default else spec.output
+
+    def run(args, kwargs, mesh_shape, coord):
+        offset, rows = _vocab_piece(int(vocab), pls, mesh_shape, coord)
+        if node.target is aten.embedding.default:
+            return _masked_lookup(args[0], args[1], offset, rows)
+        padding_idx = _arg(node, 3, "padding_idx", -1)
+        return _masked_accumulate(args[0], args[1], offset, rows, padding_idx)
+
+    return run
+
+
+def _outside(indices: torch.Tensor, offset: int, rows: int):
+    local = indices - offset
+    outside = (local < 0) | (local >= rows)
+    return local.masked_fill(outside, 0), outside
+
+
+def _masked_lookup(weight, indices, offset: int, rows: int):
+    """This rank's share of ``embedding(weight_global, indices)``: its rows looked up, the
+    others zero."""
+    if rows == 0:
+        return weight.new_zeros((*indices.shape, weight.shape[1]))
+    local, outside = _outside(indices, offset, rows)
+    return aten.embedding(weight, local).masked_fill(outside.unsqueeze(-1), 0)
+
+
+def _masked_accumulate(grad, indices, offset: int, rows: int, padding_idx: int):
+    """Rows [offset, offset + rows) of ``embedding_dense_backward(grad, indices, V, ...)``."""
+    if rows == 0:
+        return grad.new_zeros((0, grad.shape[-1]))
+    local, outside = _outside(indices, offset, rows)
+    pad = padding_idx - offset if 0 <= padding_idx - offset < rows else -1
+    return aten.embedding_dense_backward(grad.masked_fill(outside.unsqueeze(-1), 0), local,
+                                         rows, pad, False)
