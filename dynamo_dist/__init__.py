@@ -10,7 +10,7 @@ import importlib
 # Names resolve on first use: ``inductor_passes`` imports small pieces of this package, and an
 # eager import of the backend here would make the two packages import each other.
 _EXPORTS = {
-    "DistCompileError": ".errors",
+    "DistCompileError": "inductor_passes.core.errors",
     "with_sharding_constraint": ".spmd",
     "mark_sharding": ".spmd",
     "clear_sharding": ".spmd",

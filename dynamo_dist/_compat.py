@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
+from inductor_passes.core.errors import DistCompileError
+
 TORCH_CHECKED = ("2.11", "2.13")
 
 # -- FX / tracing (2.13) ------------------------------------------------------------------
@@ -742,7 +744,6 @@ DATA_DEPENDENT_ERRORS = (torch._subclasses.fake_tensor.DynamicOutputShapeExcepti
 def data_dependent_error(op) -> Exception:
     """The DistCompileError for a data-dependent ``op`` (an OpOverload, or None) met while the
     backend traces plain tensors: the op and its static-shape form."""
-    from .errors import DistCompileError
 
     name = op._schema.name.split("::")[-1] if hasattr(op, "_schema") else ""
     return DistCompileError(
@@ -755,7 +756,6 @@ def data_dependent_error(op) -> Exception:
 def _data_dependent_error(op_schema) -> Exception:
     """The DistCompileError for a data-dependent op met while Dynamo traces for dist: names the
     op, the argument shapes/dtypes (global), mesh, placements, and the static-shape form."""
-    from .errors import DistCompileError
 
     op = op_schema.op
     specs = [s for s in pytree.tree_leaves((op_schema.args_schema, op_schema.kwargs_schema))
@@ -778,7 +778,6 @@ def _data_dependent_error(op_schema) -> Exception:
 def _untraceable(op, exc: Exception) -> Exception:
     """A clear error for an op Dynamo cannot trace with DTensor inputs even when replicated
     (data-dependent output shapes, Python scalars from tensors)."""
-    from .errors import DistCompileError
 
     name = getattr(op, "op", op)
     return DistCompileError(
@@ -792,7 +791,6 @@ def _fails_on_one_device(op_schema, exc: Exception) -> Exception:
     """The op fails on the GLOBAL (replicated) arguments: a bug of the program itself
     (mismatched shapes), which the same call on one device raises too. Says so, with torch's
     own message, rather than blaming the backend."""
-    from .errors import DistCompileError
 
     specs = [s for s in pytree.tree_leaves((op_schema.args_schema, op_schema.kwargs_schema))
              if isinstance(s, DTensorSpec)]
@@ -1415,7 +1413,6 @@ def inline_nested_compile_regions(gm: "torch.fx.GraphModule") -> "torch.fx.Graph
     try:
         from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
     except ImportError as e:
-        from .errors import DistCompileError
 
         raise DistCompileError(
             f"torch {torch.__version__} has no pass to inline nested_compile_region bodies",

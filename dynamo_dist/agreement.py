@@ -27,7 +27,7 @@ from typing import Callable, Sequence, TypeVar
 import torch.distributed as dist
 
 from . import _compat
-from .errors import DistCompileError
+from inductor_passes.core.errors import DistCompileError
 
 T = TypeVar("T")
 

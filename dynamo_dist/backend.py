@@ -33,8 +33,8 @@ from .annotations import (CONSTRAINT_OP, PIN_ERROR, checked_placements, data_axe
                           mesh_from_key)
 from .capture import JointProgram, lift_tensor_attributes, planned_input_placements, trace_joint
 from .divergence import check_same_schedule
-from .errors import DistCompileError, user_source
-from .ledger import CollectiveLedger
+from inductor_passes.core.errors import DistCompileError, user_source
+from inductor_passes.core.ledger import CollectiveLedger
 from .runtime import DistStep
 from .simulate import simulated_joint
 

@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor, DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from . import _compat
-from .errors import DistCompileError, user_source
-from .ops import attention_math, matmul_nd, wants_matmul_nd
+from inductor_passes.core.errors import DistCompileError, user_source
+from inductor_passes.core.ops import attention_math, matmul_nd, wants_matmul_nd
 
 log = logging.getLogger("dynamo_dist")
 

@@ -51,8 +51,8 @@ import torch.utils._pytree as pytree
 from inductor_passes import comm
 
 from . import _compat
-from .errors import DistCompileError
-from .ledger import CollectiveEntry, CollectiveLedger
+from inductor_passes.core.errors import DistCompileError
+from inductor_passes.core.ledger import CollectiveEntry, CollectiveLedger
 
 log = logging.getLogger("dynamo_dist")
 

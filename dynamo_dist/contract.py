@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import _compat, agreement
-from .errors import DistCompileError
+from inductor_passes.core.errors import DistCompileError
 
 ENV = "DYNAMO_DIST_CHECK_INPUTS"
 TIMEOUT_S = 120.0

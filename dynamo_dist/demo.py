@@ -72,7 +72,7 @@ def run(args, axes: dict[str, int]) -> int:
     from torch.distributed.tensor import DTensor
 
     from .backend import compile_records
-    from .ledger import CollectiveLedger
+    from inductor_passes.core.ledger import CollectiveLedger
     from .models import LlamaSize, build_llama, token_batch
     from .plans import DataParallelPlanner, TensorParallelPlanner, shard_module
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from . import _compat, agreement
-from .errors import DistCompileError, user_source
+from inductor_passes.core.errors import DistCompileError, user_source
 
 
 

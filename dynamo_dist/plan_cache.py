@@ -34,21 +34,22 @@ def enabled() -> bool:
 
 @functools.cache
 def _planner_fingerprint() -> str:
-    """Hash of the planner's sources (rules, cost model, solver, propagation) and torch's
-    version: any change to them is another plan."""
-    import inductor_passes.sharding as sharding
+    """Hash of the planner's sources (rules, cost model, solver, propagation, and the bottom
+    layer's custom ops they read) and torch's version: any change to them is another plan."""
+    import inductor_passes
 
     h = hashlib.sha256(f"{_VERSION} {torch.__version__}".encode())
-    folder = os.path.dirname(sharding.__file__)
+    top = os.path.dirname(inductor_passes.__file__)
     # every subpackage too: the op rules live in sharding/rules/ (a flat listing missed them,
     # and an edited rule was answered with the stale cached plan)
-    for root, dirs, files in os.walk(folder):
-        dirs.sort()
-        for name in sorted(files):
-            if name.endswith(".py"):
-                path = os.path.join(root, name)
-                with open(path, "rb") as f:
-                    h.update(os.path.relpath(path, folder).encode() + f.read())
+    for folder in (os.path.join(top, "sharding"), os.path.join(top, "core")):
+        for root, dirs, files in os.walk(folder):
+            dirs.sort()
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(root, name)
+                    with open(path, "rb") as f:
+                        h.update(os.path.relpath(path, top).encode() + f.read())
     return h.hexdigest()
 
 

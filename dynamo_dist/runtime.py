@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from inductor_passes.compile import CompiledJoint
+from inductor_passes.core.errors import DistCompileError
 from inductor_passes.layout import same_layout
 from inductor_passes.sharding.placements import Placements
 
@@ -198,7 +199,6 @@ def _check_global_shape(x: DTensor, info: InputInfo, check, mesh) -> None:
                            if isinstance(p, Shard) and p.dim == d)
         if x.shape[d] == want or want is None and x.shape[d] == x.to_local().shape[d] * pieces:
             continue
-        from .errors import DistCompileError
 
         raise DistCompileError(
             f"DTensor input {info.name} has global shape {tuple(x.shape)}, but the program "

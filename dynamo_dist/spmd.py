@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from inductor_passes.core.errors import DistCompileError
 from inductor_passes.sharding.placements import is_split, is_strided
 
 from . import _compat
@@ -239,7 +240,6 @@ def _check_piece(local: tuple, full: tuple, dm: DeviceMesh, pls) -> None:
 
     from inductor_passes.sharding.placements import local_shape
 
-    from .errors import DistCompileError
 
     mesh_shape = tuple(dm.shape)
     pieces = set()

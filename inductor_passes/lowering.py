@@ -20,9 +20,9 @@ import torch.utils._pytree as pytree
 
 from dynamo_dist import _compat
 from dynamo_dist.annotations import CONSTRAINT_OP, ENTER_OP, EXIT_OP
-from dynamo_dist.errors import DistCompileError, describe_mesh, user_source
-from dynamo_dist.ledger import CollectiveEntry, CollectiveLedger
-from dynamo_dist.ops import MATMUL_ND
+from .core.errors import DistCompileError, describe_mesh, user_source
+from .core.ledger import CollectiveEntry, CollectiveLedger
+from .core.ops import MATMUL_ND
 
 from . import layout
 from .redistribute import AxisGroup, mesh_axes, redistribute

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dynamo_dist import compile_records
-from dynamo_dist.ops import attention_math
+from inductor_passes.core.ops import attention_math
 from dynamo_dist.plans import TensorParallelPlanner, shard_module
 
 

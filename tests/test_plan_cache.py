@@ -64,20 +64,27 @@ def test_cache_off_writes_nothing(fake_mesh, monkeypatch, tmp_path):
 
 def test_editing_an_op_rule_changes_the_key(monkeypatch, tmp_path):
     """The rules live in a subpackage (sharding/rules/); a key blind to them answered an edited
-    rule with the stale plan (the GQA attention fix was invisible until the cache was cleared)."""
+    rule with the stale plan (the GQA attention fix was invisible until the cache was cleared).
+    The bottom layer's custom ops (core/ops.py), which the rules read, count too."""
     import shutil
 
-    import inductor_passes.sharding as sharding
+    import inductor_passes
 
-    copy = tmp_path / "sharding"
-    shutil.copytree(os.path.dirname(sharding.__file__), copy)
-    monkeypatch.setattr(sharding, "__file__", str(copy / "__init__.py"))
+    copy = tmp_path / "inductor_passes"
+    shutil.copytree(os.path.dirname(inductor_passes.__file__), copy)
+    monkeypatch.setattr(inductor_passes, "__file__", str(copy / "__init__.py"))
     plan_cache._planner_fingerprint.cache_clear()
     try:
+        for edited in (copy / "sharding" / "rules" / "attention.py", copy / "core" / "ops.py"):
+            before = plan_cache._planner_fingerprint()
+            with open(edited, "a") as f:
+                f.write("\n# edited\n")
+            plan_cache._planner_fingerprint.cache_clear()
+            assert plan_cache._planner_fingerprint() != before, edited
         before = plan_cache._planner_fingerprint()
-        with open(copy / "rules" / "attention.py", "a") as f:
+        with open(copy / "comm.py", "a") as f:  # not the planner: same key
             f.write("\n# edited\n")
         plan_cache._planner_fingerprint.cache_clear()
-        assert plan_cache._planner_fingerprint() != before
+        assert plan_cache._planner_fingerprint() == before
     finally:
         plan_cache._planner_fingerprint.cache_clear()

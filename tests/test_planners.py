@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from dynamo_dist._compat import StridedShard
-from dynamo_dist.errors import DistCompileError
+from inductor_passes.core.errors import DistCompileError
 from dynamo_dist.plans import (DataParallelPlanner, ShardingPlan, TensorParallelPlanner,
                                parameter_groups, shard_module)
 from dynamo_dist.testing.zoo.models import MODELS

@@ -4,7 +4,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dynamo_dist.ops import matmul_nd
+from inductor_passes.core.ops import matmul_nd
 from inductor_passes.sharding import rules
 
 

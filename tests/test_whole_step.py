@@ -163,7 +163,7 @@ def test_capture_refuses_a_traced_backward_that_misses_a_leaf():
     import torch.fx as fx
 
     from dynamo_dist.capture import _check_backward_reaches_every_leaf
-    from dynamo_dist.errors import DistCompileError
+    from inductor_passes.core.errors import DistCompileError
 
     graph = fx.Graph()
     node = graph.call_function(torch.autograd.grad, ())

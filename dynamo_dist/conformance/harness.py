@@ -123,7 +123,7 @@ def _as_dtensor(x: torch.Tensor, mesh, pls) -> torch.Tensor:
 
 
 def _unwrap_error(exc: BaseException) -> BaseException:
-    from dynamo_dist.errors import DistCompileError
+    from inductor_passes.core.errors import DistCompileError
 
     seen = exc
     while seen is not None:
@@ -149,7 +149,7 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh,
              op_name: str = "") -> tuple[str, str, str]:
     """(forward outcome, backward outcome or "", detail) for one case."""
     from dynamo_dist import clear_compile_records, compile_records
-    from dynamo_dist.errors import DistCompileError
+    from inductor_passes.core.errors import DistCompileError
 
     grad_inputs = [k for k, t in enumerate(tensors) if t.requires_grad]
     before = [t.detach().clone() for t in tensors]  # the reference may update inputs in place

@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from inductor_passes.sharding.placements import is_strided
 
 from .. import _compat
-from ..errors import DistCompileError, describe_mesh
+from inductor_passes.core.errors import DistCompileError, describe_mesh
 from .spec import ShardingPlan, to_placements, validate_placements
 
 log = logging.getLogger("dynamo_dist")

@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from inductor_passes.sharding.placements import fmt, is_strided
 
-from ..errors import DistCompileError, describe_mesh
+from inductor_passes.core.errors import DistCompileError, describe_mesh
 
 
 class PartitionSpec(tuple):

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial
 
+from ..core.errors import user_source
 from .cost import axis_weights, redistribute_cost
 from .placements import (Placements, fmt, is_placements, is_split, nbytes, nonpartial, replicate,
                          returnable, strided_factors)
@@ -541,7 +542,6 @@ def _debt(node: fx.Node, output, mesh_shape) -> float:
 
 
 def _fallback_message(node: fx.Node, targs, current, edge: float) -> str:
-    from dynamo_dist.errors import user_source  # lazy: dynamo_dist imports this package
 
     gathered = sum(nbytes(a.meta["val"].shape, a.meta["val"].dtype) for a in targs)
     where = user_source(node)

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from dynamo_dist import _compat
 from dynamo_dist.backend import clear_compile_records, compile_records
-from dynamo_dist.errors import DistCompileError
+from inductor_passes.core.errors import DistCompileError
 from dynamo_dist.plans import (DataParallelPlanner, TensorParallelPlanner, parameter_groups,
                                shard_module)
 from dynamo_dist.plans.dataflow import example_inputs, trace_projections

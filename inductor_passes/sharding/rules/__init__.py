@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from dynamo_dist import _compat  # noqa: F401  (its Inductor imports register the prims ops)
-from dynamo_dist.ops import MATMUL_ND
+from ...core.ops import MATMUL_ND
 
 from ..cost import ATTENTION_OPS, BYTES_PER_FLOP, MATMUL_OPS, node_compute_cost
 from ..placements import (Placements, is_placements, replicate, shard_range, shard_twin,
