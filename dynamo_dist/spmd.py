@@ -33,48 +33,9 @@ from inductor_passes.sharding.placements import is_split, is_strided
 from . import _compat
 from .mesh import Mesh, as_device_mesh
 from .plans import PartitionSpec
+from .plans.spec import spec_placements, spec_problem
 
 MeshLike = Mesh | DeviceMesh | None
-
-
-def _axis(mesh: DeviceMesh, axis) -> int | None:
-    names = list(mesh.mesh_dim_names or ())
-    if isinstance(axis, int) and not isinstance(axis, bool) and 0 <= axis < mesh.ndim:
-        return axis
-    if isinstance(axis, str) and axis in names:
-        return names.index(axis)
-    return None
-
-
-def spec_problem(mesh: DeviceMesh, partition_spec: Sequence[Any], ndim: int,
-                 shape: Sequence[int] | None = None) -> str | None:
-    """Why ``partition_spec`` cannot describe an ``ndim``-D tensor (GLOBAL ``shape``, when
-    known) on ``mesh`` (with a fix), or None. Returned, not raised: inside a compiled program
-    the backend raises it (Dynamo cannot trace the raise), naming the user's line."""
-    spec, axes_of = tuple(partition_spec), list(mesh.mesh_dim_names or range(mesh.ndim))
-    tensor = f"a {ndim}-D tensor" + (f" of shape {tuple(shape)}" if shape is not None else "")
-    where = f"partition spec {spec} for {tensor} on mesh axes {axes_of}"
-    if len(spec) != ndim:
-        return (f"{where}: {len(spec)} entries; fix: give one entry per tensor dim (None for a "
-                f"dim that is not split)")
-    used: set[int] = set()
-    for d, entry in enumerate(spec):
-        entries = entry if isinstance(entry, (tuple, list)) else (entry,)
-        named = [a for a in entries if a is not None]
-        axes = [_axis(mesh, a) for a in named]
-        if None in axes:
-            bad = named[axes.index(None)]
-            return (f"{where}: unknown mesh axis {bad!r}; fix: name one of {axes_of} (or give "
-                    f"placements, one Shard / Replicate / Partial per mesh axis)")
-        if axes != sorted(axes):
-            return (f"{where}: dim {d} is split over mesh axes {axes} out of mesh order; fix: "
-                    f"list them outer axis first, {sorted(axes)}")
-        for a in axes:
-            if a in used:
-                return (f"{where}: mesh axis {axes_of[a]!r} is used twice; fix: split each "
-                        f"mesh axis over one tensor dim at most")
-            used.add(a)
-    return None
 
 
 def partition_spec_to_placements(mesh: MeshLike, partition_spec: Sequence[Any], ndim: int,
@@ -87,12 +48,7 @@ def partition_spec_to_placements(mesh: MeshLike, partition_spec: Sequence[Any], 
     problem = spec_problem(dm, partition_spec, ndim, shape)
     if problem is not None:
         raise ValueError(problem)
-    out: list[Placement] = [Replicate()] * dm.ndim
-    for d, entry in enumerate(partition_spec):
-        for a in (entry if isinstance(entry, (tuple, list)) else (entry,)):
-            if a is not None:
-                out[_axis(dm, a)] = Shard(d)
-    return tuple(out)
+    return spec_placements(dm, partition_spec)
 
 
 def placements_to_partition_spec(mesh: MeshLike, placements: Sequence[Placement],

@@ -145,3 +145,19 @@ def test_disable_manual_sharding_checks_full_shape(fake_mesh, compiled):
                                                    r"piece of full_shape") as e:
             run(x, wrong)
         assert piece in str(e.value) and "fix:" in str(e.value)
+
+
+def test_partition_spec_in_a_plan_is_read_as_mark_sharding_reads_it(fake_mesh):
+    """One partition-spec codec for plans and ``mark_sharding``: a mesh axis used twice (which a
+    plan used to accept, the second entry silently overwriting the first) and a dim's axes out
+    of mesh order are refused with the spec, the mesh axes and a fix; a short spec leaves the
+    trailing dims whole."""
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    with pytest.raises(DistCompileError, match="'tp' is used twice") as e:
+        shard_module(Tiny(), mesh, ShardingPlan(plan={"fc.weight": PartitionSpec("tp", "tp")}))
+    assert "fc.weight" in str(e.value) and "fix:" in str(e.value)
+    with pytest.raises(DistCompileError, match="out of mesh order"):
+        shard_module(Tiny(), mesh, ShardingPlan(plan={"fc.weight": PartitionSpec(("tp", "dp"),
+                                                                                 None)}))
+    m = shard_module(Tiny(), mesh, ShardingPlan(plan={"fc.weight": PartitionSpec("tp")}))
+    assert tuple(m.fc.weight.placements) == (Replicate(), Shard(0))

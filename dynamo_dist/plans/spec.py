@@ -32,35 +32,85 @@ class PartitionSpec(tuple):
         return f"PartitionSpec{tuple(self)!r}"
 
 
-def _axis_index(mesh: DeviceMesh, axis: str | int, what: str) -> int:
+def mesh_axis(mesh: DeviceMesh, axis: Any) -> int | None:
+    """The index of mesh axis ``axis`` (its name, or an index below ``mesh.ndim``), or None."""
     names = list(mesh.mesh_dim_names or ())
-    if isinstance(axis, int) and 0 <= axis < mesh.ndim:
+    if isinstance(axis, int) and not isinstance(axis, bool) and 0 <= axis < mesh.ndim:
         return axis
-    if axis in names:
+    if isinstance(axis, str) and axis in names:
         return names.index(axis)
-    raise DistCompileError(f"{what}: unknown mesh axis {axis!r}", mesh=mesh,
-                           fix=f"use one of the mesh's axis names {names} or an index below "
-                               f"{mesh.ndim}")
+    return None
+
+
+def spec_problem(mesh: DeviceMesh, partition_spec: Sequence[Any], ndim: int,
+                 shape: Sequence[int] | None = None) -> str | None:
+    """Why ``partition_spec`` cannot describe an ``ndim``-D tensor (GLOBAL ``shape``, when
+    known) on ``mesh``, ending with a fix ("...; fix: ..."), or None: a length other than
+    ``ndim``, an unknown mesh axis, a mesh axis used twice, or one dim's axes out of mesh order
+    (DTensor cannot express that split). Returned, not raised: inside a compiled program the
+    backend raises it (Dynamo cannot trace the raise), naming the user's line."""
+    spec, axes_of = tuple(partition_spec), list(mesh.mesh_dim_names or range(mesh.ndim))
+    tensor = f"a {ndim}-D tensor" + (f" of shape {tuple(shape)}" if shape is not None else "")
+    where = f"partition spec {spec} for {tensor} on mesh axes {axes_of}"
+    if len(spec) != ndim:
+        return (f"{where}: {len(spec)} entries; fix: give one entry per tensor dim (None for a "
+                f"dim that is not split)")
+    used: set[int] = set()
+    for d, entry in enumerate(spec):
+        entries = entry if isinstance(entry, (tuple, list)) else (entry,)
+        named = [a for a in entries if a is not None]
+        axes = [mesh_axis(mesh, a) for a in named]
+        if None in axes:
+            bad = named[axes.index(None)]
+            return (f"{where}: unknown mesh axis {bad!r}; fix: name one of {axes_of} (or give "
+                    f"placements, one Shard / Replicate / Partial per mesh axis)")
+        if axes != sorted(axes):
+            return (f"{where}: dim {d} is split over mesh axes {axes} out of mesh order; fix: "
+                    f"list them outer axis first, {sorted(axes)}")
+        for a in axes:
+            if a in used:
+                return (f"{where}: mesh axis {axes_of[a]!r} is used twice; fix: split each "
+                        f"mesh axis over one tensor dim at most")
+            used.add(a)
+    return None
+
+
+def spec_placements(mesh: DeviceMesh, partition_spec: Sequence[Any]) -> tuple[Placement, ...]:
+    """A partition spec ``spec_problem`` accepts -> one placement per mesh axis."""
+    out: list[Placement] = [Replicate()] * mesh.ndim
+    for d, entry in enumerate(partition_spec):
+        for a in (entry if isinstance(entry, (tuple, list)) else (entry,)):
+            if a is not None:
+                out[mesh_axis(mesh, a)] = Shard(d)
+    return tuple(out)
 
 
 def to_placements(spec: Any, mesh: DeviceMesh, ndim: int, what: str) -> tuple[Placement, ...]:
-    """Any placement spec (see module doc) -> one Placement per mesh axis."""
+    """Any placement spec (see module doc) -> one Placement per mesh axis. A ``PartitionSpec``
+    shorter than the tensor leaves its trailing dims whole (JAX's rule); anything else
+    ``spec_problem`` names raises DistCompileError (a repeated mesh axis used to overwrite the
+    first silently)."""
     if isinstance(spec, PartitionSpec):
-        out: list[Placement] = [Replicate()] * mesh.ndim
         if len(spec) > ndim:
             raise DistCompileError(f"{what}: partition spec {spec} has {len(spec)} entries for a "
                                    f"{ndim}-D tensor", mesh=mesh,
                                    fix="give one entry per tensor dim (None for unsharded)")
-        for d, entry in enumerate(spec):
-            for axis in (entry if isinstance(entry, tuple) else (entry,)):
-                if axis is None:
-                    continue
-                out[_axis_index(mesh, axis, what)] = Shard(d)
-        return tuple(out)
+        full = tuple(spec) + (None,) * (ndim - len(spec))
+        problem = spec_problem(mesh, full, ndim)
+        if problem is not None:
+            why, _, fix = problem.partition("; fix: ")
+            raise DistCompileError(f"{what}: {why}", mesh=mesh, fix=fix or None)
+        return spec_placements(mesh, full)
     if isinstance(spec, Mapping):
         out = [Replicate()] * mesh.ndim
         for axis, p in spec.items():
-            out[_axis_index(mesh, axis, what)] = p
+            index = mesh_axis(mesh, axis)
+            if index is None:
+                names = list(mesh.mesh_dim_names or ())
+                raise DistCompileError(f"{what}: unknown mesh axis {axis!r}", mesh=mesh,
+                                       fix=f"use one of the mesh's axis names {names} or an "
+                                           f"index below {mesh.ndim}")
+            out[index] = p
         return tuple(out)
     return tuple(spec)
 
