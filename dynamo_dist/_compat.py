@@ -553,7 +553,8 @@ def _keep_callbacks(handler, start, end) -> None:
 # dispatchDTensorOp, on a cache miss).
 _DISPATCH_CACHE_WINDOW = ("unwrap_to_op_info", "_unwrap_to_op_info_impl",
                           "_propagate_op_sharding_dispatch_slow_path")
-_DTENSOR_DIR = os.path.dirname(torch.distributed.tensor.__file__) + os.sep
+# DTensor's own sources: frames there are DTensor's code, not the user's
+DTENSOR_DIR = os.path.dirname(torch.distributed.tensor.__file__) + os.sep
 _cache_clear_pending = False
 
 
@@ -579,7 +580,7 @@ def _inside_dtensor_code() -> bool:
     holding a pointer into the sharding cache)."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_filename.startswith(_DTENSOR_DIR):
+        if frame.f_code.co_filename.startswith(DTENSOR_DIR):
             return True
         frame = frame.f_back
     return False

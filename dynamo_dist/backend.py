@@ -115,7 +115,7 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
     inductor = bool(opts.pop("inductor", True))
     simulate = bool(opts.pop("simulate", False))
     agreement.begin_graph()
-    if (_compat.dynamo_frame_file() or "").startswith(_DTENSOR_PACKAGE):
+    if (_compat.dynamo_frame_file() or "").startswith(_compat.DTENSOR_DIR):
         # DTensor's own code, entered while a step Dynamo split runs eagerly (autograd calling
         # from_local's backward, DTensor's dispatch): local bookkeeping, not a global program
         # to plan; run as DTensor runs it
@@ -134,8 +134,6 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
         raise
     return compiled
 
-
-_DTENSOR_PACKAGE = os.path.dirname(torch.distributed.tensor.__file__)
 
 
 def _code_name(gm: fx.GraphModule) -> str:

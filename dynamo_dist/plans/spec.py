@@ -91,11 +91,7 @@ def to_placements(spec: Any, mesh: DeviceMesh, ndim: int, what: str) -> tuple[Pl
     ``spec_problem`` names raises DistCompileError (a repeated mesh axis used to overwrite the
     first silently)."""
     if isinstance(spec, PartitionSpec):
-        if len(spec) > ndim:
-            raise DistCompileError(f"{what}: partition spec {spec} has {len(spec)} entries for a "
-                                   f"{ndim}-D tensor", mesh=mesh,
-                                   fix="give one entry per tensor dim (None for unsharded)")
-        full = tuple(spec) + (None,) * (ndim - len(spec))
+        full = tuple(spec) + (None,) * (ndim - len(spec))  # (a longer spec: spec_problem's)
         problem = spec_problem(mesh, full, ndim)
         if problem is not None:
             why, _, fix = problem.partition("; fix: ")

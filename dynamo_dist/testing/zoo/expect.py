@@ -2,8 +2,8 @@
 against.
 
 Tensor parallelism (Megatron-LM, Shoeybi et al. 2019), per step: one all_reduce in the forward
-after every row-parallel projection and vocabulary-parallel embedding, and one in the backward for every activation that
-column-parallel projections read (projections that read one activation, q/k/v or gate/up, have
+after every row-parallel projection and vocabulary-parallel embedding, and one in the backward
+for every activation that column-parallel projections read (projections that read one activation, q/k/v or gate/up, have
 their input gradients summed first), plus, for key/value projections kept whole because the
 heads do not split (multi-query attention), one for each one's output gradient; nothing else
 moves on the tensor-parallel axis.

@@ -49,6 +49,11 @@ def _collect_tensor_nodes(value, out: list[fx.Node]) -> None:
             _collect_tensor_nodes(v, out)
 
 
+def node_arg(node: fx.Node, i: int, name: str, default=None):
+    """Argument ``i`` of ``node``, passed positionally or as keyword ``name``, else ``default``."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
 def val_shape(node: fx.Node) -> tuple[int, ...]:
     return tuple(node.meta["val"].shape)
 

@@ -33,17 +33,13 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..placements import Placements, shard_range
-from .base import OpSpec, expand_to_mesh, val_shape
+from .base import OpSpec, expand_to_mesh, node_arg, val_shape
 
 aten = torch.ops.aten
 EMBEDDING = {aten.embedding.default, aten.embedding_dense_backward.default}
 SOURCE = "embedding"
 VOCAB_SOURCE = "embedding:vocab"
 P, R = Partial("sum"), Replicate()
-
-
-def _arg(node: fx.Node, i: int, name: str, default):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
 def embedding_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
@@ -59,15 +55,13 @@ def embedding_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]
         k = len(shapes[1])
         options = [((R, R), R), ((Shard(k), R), Shard(1)), ((P, R), P)]
         vocab = []
-        if not _arg(node, 4, "scale_grad_by_freq", False):
+        if not node_arg(node, 4, "scale_grad_by_freq", False):
             options += [((Shard(d), Shard(d)), P) for d in range(k)]
             vocab = [((R, R), Shard(0))]
-    plain = [OpSpec(s.inputs, s.output, SOURCE)
-             for s in expand_to_mesh(options, mesh_shape, shapes, out, SOURCE)]
-    every = expand_to_mesh(options + vocab, mesh_shape, shapes, out, SOURCE)
-    split = [OpSpec(s.inputs, s.output, VOCAB_SOURCE) for s in every
-             if _vocab_axes(node, s)]
-    return plain + split
+    specs = expand_to_mesh(options + vocab, mesh_shape, shapes, out, SOURCE)
+    split = [s for s in specs if _vocab_axes(node, s)]  # lowered by local_impl: tagged
+    return [s for s in specs if s not in split] + \
+        [OpSpec(s.inputs, s.output, VOCAB_SOURCE) for s in split]
 
 
 def _vocab_axes(node: fx.Node, spec: OpSpec) -> list[int]:
@@ -103,7 +97,7 @@ def local_impl(node: fx.Node, spec: OpSpec) -> Callable | None:
         offset, rows = _vocab_piece(int(vocab), pls, mesh_shape, coord)
         if node.target is aten.embedding.default:
             return _masked_lookup(args[0], args[1], offset, rows)
-        padding_idx = _arg(node, 3, "padding_idx", -1)
+        padding_idx = node_arg(node, 3, "padding_idx", -1)
         return _masked_accumulate(args[0], args[1], offset, rows, padding_idx)
 
     return run

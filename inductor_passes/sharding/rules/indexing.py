@@ -35,17 +35,11 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from .base import AxisOption, OpSpec, expand_to_mesh, tensor_args, val_shape
+from .base import AxisOption, OpSpec, expand_to_mesh, node_arg, tensor_args, val_shape
 
 aten = torch.ops.aten
 P = Partial("sum")
 R = Replicate()
-
-
-def _arg(node: fx.Node, i: int, name: str, default=None):
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
 
 
 def _expand(node: fx.Node, options: list[AxisOption], mesh_shape: Sequence[int],
@@ -117,8 +111,8 @@ def index_put_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]
       its share of the updates (duplicate indices sum on one device as across ranks).
     Without accumulate, splitting B is wrong (a later write wins over an earlier one).
     """
-    self_n, indices, values_n = node.args[0], _arg(node, 1, "indices"), _arg(node, 2, "values")
-    accumulate = bool(_arg(node, 3, "accumulate", False))
+    self_n, indices, values_n = node.args[0], node_arg(node, 1, "indices"), node_arg(node, 2, "values")
+    accumulate = bool(node_arg(node, 3, "accumulate", False))
     if not isinstance(values_n, fx.Node):
         return []
     layout = _layout(self_n, indices)
@@ -257,7 +251,7 @@ def scatter_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
     self_n, dim, index_n = node.args[0], node.args[1], node.args[2]
     src_n = node.args[3] if op is not aten.scatter.value else None
     reduce = node.args[4] if op is aten.scatter_reduce.two else None
-    include_self = bool(_arg(node, 5, "include_self", True)) if reduce else True
+    include_self = bool(node_arg(node, 5, "include_self", True)) if reduce else True
     if not isinstance(index_n, fx.Node) or not isinstance(self_n, fx.Node) or \
             (src_n is not None and not isinstance(src_n, fx.Node)):
         return []
@@ -321,7 +315,7 @@ def histc_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
     elements), but only for a fixed range, min < max: with min == max (the default) torch
     takes the range from the data, which differs per rank. Never a Partial self (not linear).
     """
-    lo, hi = _arg(node, 2, "min", 0), _arg(node, 3, "max", 0)
+    lo, hi = node_arg(node, 2, "min", 0), node_arg(node, 3, "max", 0)
     shape = val_shape(node.args[0])
     options: list[AxisOption] = [((R,), R)]
     if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo < hi:

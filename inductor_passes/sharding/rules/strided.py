@@ -44,7 +44,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from ..placements import Placements, is_placements, is_strided, strided, valid_for
-from .base import OpSpec, replicated_spec, tensor_args, val_shape
+from .base import OpSpec, node_arg, replicated_spec, tensor_args, val_shape
 
 aten = torch.ops.aten
 
@@ -232,15 +232,11 @@ def cut_options(node: fx.Node, base: Sequence[OpSpec], strided_in: Strided,
     return []
 
 
-def _arg(node: fx.Node, i: int, name: str, default):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
 def _split(node, base, factors, mesh_shape) -> list[OpSpec]:
     if not factors or not isinstance(node.args[0], fx.Node):
         return []
     shape = val_shape(node.args[0])
-    d = _dim(_arg(node, 2, "dim", 0), len(shape))
+    d = _dim(node_arg(node, 2, "dim", 0), len(shape))
     sizes = [v.shape[d] for v in node.meta["val"]]
     bounds = [0]
     for s in sizes:
@@ -260,9 +256,9 @@ def _split(node, base, factors, mesh_shape) -> list[OpSpec]:
 def _slice_bounds(node: fx.Node, shape, first: int):
     """(dim, start, end) of a unit-step slice whose dim argument is at ``first`` (start, end
     after it), clamped to the dim; None for a step or a symbolic bound."""
-    d = _dim(_arg(node, first, "dim", 0), len(shape))
-    start, end, step = (_arg(node, first + 1, "start", None), _arg(node, first + 2, "end", None),
-                        _arg(node, first + 3, "step", 1))
+    d = _dim(node_arg(node, first, "dim", 0), len(shape))
+    start, end, step = (node_arg(node, first + 1, "start", None), node_arg(node, first + 2, "end", None),
+                        node_arg(node, first + 3, "step", 1))
     if step != 1 or not all(isinstance(v, (int, type(None))) for v in (start, end)):
         return None
     size = shape[d]
@@ -304,7 +300,7 @@ def _cat(node, base, factors, mesh_shape) -> list[OpSpec]:
     if not factors or len(targs) != len(tensors) or len(targs) < 2:
         return []
     out_shape = val_shape(node)
-    d = _dim(_arg(node, 1, "dim", 0), len(out_shape))
+    d = _dim(node_arg(node, 1, "dim", 0), len(out_shape))
     if any(len(val_shape(a)) != len(out_shape) for a in targs):
         return []  # legacy cat of an empty 1-D tensor
     bounds = [0]
