@@ -55,14 +55,14 @@ def _interleaved(fns: dict[str, Callable[[], None]], steps: int) -> dict[str, fl
 
 
 def main() -> None:
-    from dynamo_dist import _compat
     from dynamo_dist.plans import DataParallelPlanner, shard_module
+    from inductor_passes.core import compat
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    _compat.allow_implicit_replication(True)
+    compat.allow_implicit_replication(True)
     mesh = _one_rank_mesh()
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.BatchNorm2d(32),

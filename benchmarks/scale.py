@@ -248,7 +248,7 @@ def inductor_seconds(joint) -> dict:
     import torch
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    from dynamo_dist import _compat
+    from inductor_passes.core import compat
 
     meta, cpu = torch.device("meta"), torch.device("cpu")
     out = {}
@@ -260,7 +260,7 @@ def inductor_seconds(joint) -> dict:
             if n.kwargs.get("device") in (meta, "meta"):
                 n.kwargs = {**n.kwargs, "device": cpu}
         gm.recompile()
-        mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
+        mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             inputs = [torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype,
                                           device=cpu)
@@ -268,8 +268,8 @@ def inductor_seconds(joint) -> dict:
                       for n in gm.graph.find_nodes(op="placeholder")]
         FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
         t = time.perf_counter()
-        with _compat.tracing(_compat.TracingContext(mode)):
-            _compat.compile_fx_inner(gm, inputs, is_backward=is_bw)
+        with compat.tracing(compat.TracingContext(mode)):
+            compat.compile_fx_inner(gm, inputs, is_backward=is_bw)
         out[phase] = time.perf_counter() - t
     return out
 
@@ -412,8 +412,7 @@ def run_ours(args) -> dict:
     out["plan_cost"] = rec.plan.total_cost
 
     names = tuple(mesh.mesh_dim_names)
-    origins = [f"DTensor input {i.name}" if i.kind == "dtensor" else "plain"
-               for i in rec.program.primal_inputs]
+    origins = [i.origin() for i in rec.program.primal_inputs]
     param_values = {n.name for n in parameter_views(gm, origins, tuple(range(len(names))))}
     rows = []
     for e in rec.ledger.entries:

@@ -13,6 +13,8 @@ import os
 import runpy
 import sys
 
+from .diagnose import recording
+
 
 def explain_script(script: str, args: list[str], json_path: str | None = None,
                    inductor: bool = True) -> int:
@@ -21,7 +23,6 @@ def explain_script(script: str, args: list[str], json_path: str | None = None,
     it raised. Raises FileNotFoundError if ``script`` does not exist."""
     from rich.console import Console
 
-    from .diagnose import recording
 
     if not os.path.isfile(script):
         raise FileNotFoundError(script)

@@ -9,7 +9,8 @@ import os
 import re
 from typing import Any
 
-from inductor_passes.sharding.placements import fmt
+from inductor_passes.core import roles
+from inductor_passes.core.placements import fmt
 
 
 @dataclasses.dataclass
@@ -140,7 +141,7 @@ def graph_info(index: int, gm, metric, record: Any) -> GraphInfo:
     inputs = []
     for k, info in enumerate(record.program.primal_inputs):
         want = planned[k] if k < len(planned) else \
-            getattr(plan.nodes.get(f"primals_{k + 1}"), "output", None)
+            getattr(plan.nodes.get(roles.primal_name(k)), "output", None)
         inputs.append(InputPlacement(_input_name(str(info.name)), info.shape, fmt(info.placements),
                                      fmt(want)))
     coll: dict[str, list[int]] = {}

@@ -26,7 +26,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch.distributed as dist
 
-from . import _compat
+from inductor_passes.core import compat
 from inductor_passes.core.errors import DistCompileError
 
 T = TypeVar("T")
@@ -73,7 +73,7 @@ def publish_failure(exc: BaseException) -> None:
     """Tell the other ranks that this rank's compilation of the current graph failed."""
     if not has_peers() or isinstance(exc, PeerFailed) or not _STATE["graph"]:
         return
-    store, prefix = _compat.default_store(), _prefix(_STATE["graph"])
+    store, prefix = compat.default_store(), _prefix(_STATE["graph"])
     text = f"{type(exc).__name__}: {exc}"
     store.set(f"{prefix}/failed/{dist.get_rank()}", text[-4000:])
     store.add(f"{prefix}/failures", 1)
@@ -84,7 +84,7 @@ def wait_for(keys: Sequence[str], ranks: Sequence[int], what: str, timeout: floa
     """Block until every store key in ``keys`` exists. Raises PeerFailed as soon as one of
     ``ranks`` publishes a failure of the current graph, DistCompileError naming the ranks still
     missing after ``timeout`` seconds (``keys[i]`` is rank ``ranks[i]``'s, or one key for all)."""
-    store, prefix = _compat.default_store(), _prefix(_STATE["graph"])
+    store, prefix = compat.default_store(), _prefix(_STATE["graph"])
     deadline = time.monotonic() + timeout
     while True:
         if store.check(list(keys)):
@@ -119,7 +119,7 @@ def plan_once(mesh, compute: Callable[[], T]) -> T:
     if not has_peers() or mesh.size() == 1:
         return compute()
     ranks = mesh_ranks(mesh)
-    store = _compat.default_store()
+    store = compat.default_store()
     key = f"{_prefix(_STATE['graph'])}/plan/{'-'.join(map(str, ranks))}"
     if dist.get_rank() == ranks[0]:
         plan = compute()

@@ -1,10 +1,11 @@
-"""Sharding annotations that trace into the graph as one custom op.
+"""The user's sharding annotations, validated, and the mesh facts a plan records.
 
 ``with_sharding_constraint(t, mesh, placements)`` pins the placement of a value. Eagerly it is a
-copy; under torch.compile it is the op ``dynamo_dist::sharding_constraint(Tensor x, str spec)``,
-whose string argument names the mesh and the placements, so Dynamo keeps it as a constant (no
-graph break; a different spec is a different graph). The backend reads the spec back, pins the
-value's placement in the plan and lowers the op to the redistribute it implies.
+copy; under torch.compile it is the op ``dynamo_dist::sharding_constraint(Tensor x, str spec)``
+(``inductor_passes.core.annotation_ops``), whose string argument names the mesh and the
+placements, so Dynamo keeps it as a constant (no graph break; a different spec is a different
+graph). The backend reads the spec back, pins the value's placement in the plan and lowers the
+op to the redistribute it implies.
 """
 
 from __future__ import annotations
@@ -14,32 +15,11 @@ from typing import Sequence
 
 import torch
 from torch.distributed.tensor import DeviceMesh
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from . import _compat
-from inductor_passes.sharding.placements import Placements, fmt, normalize, parse
-
-_MESHES: "weakref.WeakValueDictionary[str, DeviceMesh]" = weakref.WeakValueDictionary()
-
-
-_KEYS: "weakref.WeakKeyDictionary[DeviceMesh, str]" = weakref.WeakKeyDictionary()
-
-
-@_compat.assume_constant_result
-def mesh_key(mesh: DeviceMesh) -> str:
-    """A stable name for a mesh: axis names, shape and the ranks it spans.
-
-    Cached per mesh: the first call reads the rank tensor, which must not happen under a fake
-    or tracing mode (the backend's capture asks again while tracing).
-    """
-    key = _KEYS.get(mesh)
-    if key is None:
-        names = ",".join(mesh.mesh_dim_names or ())
-        ranks = mesh.mesh.flatten().tolist()
-        key = f"{names}/{'x'.join(map(str, mesh.shape))}/{ranks[0]}-{ranks[-1]}:{len(ranks)}"
-        _KEYS[mesh] = key
-    _MESHES[key] = mesh
-    return key
+from inductor_passes.core.annotation_ops import encode_spec, sharding_constraint
+from inductor_passes.core.errors import DistCompileError, describe_mesh
+from inductor_passes.core.placements import SUPPORTED_PARTIAL_OPS, Placements, is_strided, normalize
 
 
 # per mesh OBJECT: DeviceMesh compares by value (ranks, axis names), so a new mesh equal to an
@@ -57,44 +37,6 @@ def data_axes(mesh: DeviceMesh) -> tuple[str, ...]:
     """The data-parallel axes registered for this very mesh object (``()`` if none)."""
     ref, axes = _DATA_AXES.get(id(mesh), (None, ()))
     return axes if ref is not None and ref() is mesh else ()
-
-
-def mesh_from_key(key: str) -> DeviceMesh:
-    try:
-        return _MESHES[key]
-    except KeyError:
-        raise KeyError(f"mesh '{key}' named by a sharding constraint no longer exists") from None
-
-
-# a constraint spec whose text after "|" starts with this carries a bad annotation's message
-PIN_ERROR = "!"
-
-
-def encode_spec(mesh: DeviceMesh, placements: Placements) -> str:
-    return f"{mesh_key(mesh)}|{fmt(placements)}"
-
-
-def decode_spec(spec: str) -> tuple[str, Placements]:
-    key, _, text = spec.partition("|")
-    return key, parse(text)
-
-
-@torch.library.custom_op("dynamo_dist::sharding_constraint", mutates_args=())
-def sharding_constraint(x: torch.Tensor, spec: str) -> torch.Tensor:
-    return x.clone()
-
-
-@sharding_constraint.register_fake
-def _(x: torch.Tensor, spec: str) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def _backward(ctx, grad: torch.Tensor):
-    # The cotangent is left free: the plan puts it wherever the backward graph needs it.
-    return grad, None
-
-
-sharding_constraint.register_autograd(_backward)
 
 
 def with_sharding_constraint(t: torch.Tensor, mesh: DeviceMesh,
@@ -121,8 +63,6 @@ def checked_placements(what: str, shape: tuple[int, ...], mesh: DeviceMesh, plac
     """``placements`` validated for a value of GLOBAL ``shape`` on ``mesh`` and normalised
     (Shard(-1) -> Shard(ndim - 1)). Raises DistCompileError (``validate_placements``,
     ``refuse_strided_nesting``) naming ``what`` and the user's ``source`` line."""
-    from .plans.spec import refuse_strided_nesting, validate_placements
-
     # validated before normalising: Shard(-3) of a 2-D tensor must not become Shard(-1)
     validate_placements(what, shape, mesh, placements, source)
     placements = normalize(placements, len(shape))
@@ -138,85 +78,68 @@ def require_tensor(what: str, t) -> None:
                         f"(torch.as_tensor(value)), or leave a non-tensor unannotated")
 
 
-CONSTRAINT_OP = torch.ops.dynamo_dist.sharding_constraint.default
+def validate_placements(what: str, shape: Sequence[int], mesh: DeviceMesh,
+                        placements: Sequence[Placement], source: str | None = None) -> None:
+    """Raise DistCompileError unless ``placements`` can apply to a tensor of GLOBAL ``shape``
+    (``source``: the user's line, for a pin inside a compiled program)."""
+    def fail(why: str, fix: str):
+        raise DistCompileError(f"{what}: {why}", source=source, shapes=[shape],
+                               mesh=describe_mesh(mesh), placements=list(placements), fix=fix)
+
+    if len(placements) != mesh.ndim:
+        fail(f"{len(placements)} placements for a {mesh.ndim}-axis mesh",
+             "give one placement per mesh axis")
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if not -len(shape) <= p.dim < len(shape):
+                fail(f"Shard({p.dim}) on mesh axis '{names[axis]}' but the tensor has "
+                     f"{len(shape)} dims",
+                     f"use Shard(d) with 0 <= d < {len(shape)}, or Replicate()")
+        elif is_strided(p):
+            k, n = p.split_factor, mesh.size(axis)
+            if not -len(shape) <= p.dim < len(shape):
+                fail(f"{p!r} on mesh axis '{names[axis]}' but the tensor has {len(shape)} dims",
+                     f"use a dim d with 0 <= d < {len(shape)}")
+            elif not isinstance(k, int) or k < 1 or shape[p.dim] % (k * n):
+                fail(f"{p!r} on mesh axis '{names[axis]}' (size {n}): dim {p.dim} of size "
+                     f"{shape[p.dim]} is not {k} blocks each split evenly in {n}",
+                     f"use a split_factor k (the number of fused parts) with k x {n} dividing "
+                     f"{shape[p.dim]}, or Shard({p.dim})")
+        elif isinstance(p, Partial):
+            if p.reduce_op not in SUPPORTED_PARTIAL_OPS:
+                fail(f"Partial({p.reduce_op!r}) on mesh axis '{names[axis]}': only pending "
+                     f"{', '.join(SUPPORTED_PARTIAL_OPS)} reductions are planned",
+                     f"use Partial() (a pending sum) or one of {list(SUPPORTED_PARTIAL_OPS)}, or reduce "
+                     f"before pinning (Replicate())")
+        elif not isinstance(p, Replicate):
+            fail(f"unsupported placement {p!r}",
+                 "use Shard(d), _StridedShard(d, split_factor=k), Replicate() or Partial()")
 
 
-# ---- manual regions (GSPMD's full-to-shard / shard-to-full; DTensor's to_local / from_local) ----
-# Code between ``enter_manual`` and ``exit_manual`` computes on this rank's LOCAL tensor. In the
-# global graph such values carry their local shapes and are planned as Replicate (nothing is
-# moved between them); the two ops mark where values cross between the two worlds.
-
-def gradient_spec(spec: str, entering: bool) -> str:
-    """Placements of the cotangent that crosses a region boundary the other way, per mesh axis.
-
-    Shard(d) stays Shard(d); Partial becomes Replicate (every rank's share of a sum has the
-    sum's gradient). Replicate: the gradient of a value every rank read whole (``entering``) is
-    Partial(sum), each rank's local code adding its own term; where that local code did the same
-    on every rank (nothing in it varies over the axis) ``manual.mark_manual`` makes it
-    Replicate again, so a redundant computation is not counted once per rank (JAX shard_map's
-    replication tracking makes the same distinction). The gradient of a value that left a region
-    as Replicate (``entering`` False) enters as Replicate (DTensor's from_local convention)."""
-    key, pls = decode_spec(spec)
-    swapped = tuple(Partial("sum") if isinstance(p, Replicate) and entering else
-                    Replicate() if isinstance(p, Partial) else p for p in pls)
-    return f"{key}|{fmt(swapped)}"
+def _split_axes_by_dim(shape: Sequence[int],
+                       placements: Sequence[Placement]) -> dict[int, list[int]]:
+    """Tensor dim -> the mesh axes that split it (Shard or _StridedShard), in mesh-axis order."""
+    by_dim: dict[int, list[int]] = {}
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard) or is_strided(p):
+            by_dim.setdefault(p.dim % max(len(shape), 1), []).append(axis)
+    return by_dim
 
 
-def manual_local_shape(shape, spec: str) -> list[int]:
-    """The LOCAL shape a value of GLOBAL ``shape`` has inside a manual region under ``spec``."""
-    from inductor_passes.sharding.placements import local_shape
-
-    key, pls = decode_spec(spec)
-    return list(local_shape(tuple(shape), pls, tuple(mesh_from_key(key).shape)))
-
-
-def _outside_dist(name: str):
-    raise RuntimeError(f"dynamo_dist::{name} marks a manual-sharding region boundary and runs "
-                       f"only inside a program compiled with backend='dist'; eagerly, use "
-                       f"DTensor.to_local / DTensor.from_local (enable_manual_sharding does)")
-
-
-@torch.library.custom_op("dynamo_dist::enter_manual", mutates_args=())
-def enter_manual(x: torch.Tensor, spec: str) -> torch.Tensor:
-    """GLOBAL ``x`` in placements ``spec`` -> this rank's LOCAL tensor (full-to-shard)."""
-    _outside_dist("enter_manual")
-
-
-@enter_manual.register_fake
-def _(x: torch.Tensor, spec: str) -> torch.Tensor:
-    return x.new_empty(manual_local_shape(x.shape, spec))
-
-
-@torch.library.custom_op("dynamo_dist::exit_manual", mutates_args=())
-def exit_manual(x: torch.Tensor, spec: str, shape: list[int]) -> torch.Tensor:
-    """This rank's LOCAL ``x`` -> the GLOBAL value of ``shape`` it is a piece of under
-    placements ``spec`` (shard-to-full)."""
-    _outside_dist("exit_manual")
-
-
-@exit_manual.register_fake
-def _(x: torch.Tensor, spec: str, shape: list[int]) -> torch.Tensor:
-    return x.new_empty(shape)
-
-
-def _enter_setup(ctx, inputs, output):
-    ctx.spec, ctx.shape = inputs[1], list(inputs[0].shape)
-
-
-def _enter_backward(ctx, grad):
-    return exit_manual(grad, gradient_spec(ctx.spec, entering=True), ctx.shape), None
-
-
-def _exit_setup(ctx, inputs, output):
-    ctx.spec = inputs[1]
-
-
-def _exit_backward(ctx, grad):
-    return enter_manual(grad, gradient_spec(ctx.spec, entering=False)), None, None
-
-
-enter_manual.register_autograd(_enter_backward, setup_context=_enter_setup)
-exit_manual.register_autograd(_exit_backward, setup_context=_exit_setup)
-
-ENTER_OP = torch.ops.dynamo_dist.enter_manual.default
-EXIT_OP = torch.ops.dynamo_dist.exit_manual.default
+def refuse_strided_nesting(what: str, shape: Sequence[int], mesh: DeviceMesh,
+                           placements: Sequence[Placement], source: str | None = None) -> None:
+    """Raise DistCompileError when a tensor dim is split by two mesh axes and one of them is a
+    _StridedShard (DTensor's right-to-left FSDP2-over-TP layout): a value pinned inside the
+    program must be one the compiler lowers exactly, and nested strided splits are not (a
+    parameter in that layout is fine: DTensor regathers it at the program boundary)."""
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    for dim, axes in _split_axes_by_dim(shape, placements).items():
+        if len(axes) > 1 and any(is_strided(placements[a]) for a in axes):
+            raise DistCompileError(
+                f"{what}: tensor dim {dim} is split by mesh axes "
+                f"{', '.join(repr(names[a]) for a in axes)} and one of them is block-strided "
+                f"(_StridedShard); nested splits of a dim are not planned", source=source,
+                shapes=[shape], mesh=describe_mesh(mesh), placements=list(placements),
+                fix="split that dim on one mesh axis only (another dim on the other), or pin "
+                    "Replicate on one of them")

@@ -21,20 +21,21 @@ import torch.fx as fx
 
 from inductor_passes import layout
 from inductor_passes.compile import compile_joint
-from inductor_passes.lowering import lower
-from inductor_passes.redistribute import local_coordinate
-from inductor_passes.sharding.placements import Placements, fmt, nbytes, parse
-from inductor_passes.sharding.propagate import Plan, propagate
-
-from . import _compat, agreement, compiled_autograd, plan_cache
-from . import symbolic as symbolic_shapes
-from .agreement import plan_once
-from .annotations import (CONSTRAINT_OP, PIN_ERROR, checked_placements, data_axes, encode_spec,
-                          mesh_from_key)
-from .capture import JointProgram, lift_tensor_attributes, planned_input_placements, trace_joint
-from .divergence import check_same_schedule
+from inductor_passes.core import compat, roles
+from inductor_passes.core.annotation_ops import CONSTRAINT_OP, PIN_ERROR, encode_spec, mesh_from_key
 from inductor_passes.core.errors import DistCompileError, user_source
 from inductor_passes.core.ledger import CollectiveLedger
+from inductor_passes.core.placements import Placements, fmt, nbytes, parse
+from inductor_passes.lowering import lower
+from inductor_passes.redistribute import local_coordinate
+from inductor_passes.sharding.propagate import Plan, propagate
+
+from . import agreement, compiled_autograd, patches, plan_cache
+from . import symbolic as symbolic_shapes
+from .agreement import plan_once
+from .annotations import checked_placements, data_axes
+from .capture import JointProgram, lift_tensor_attributes, planned_input_placements, trace_joint
+from .divergence import check_same_schedule
 from .runtime import DistStep
 from .simulate import simulated_joint
 
@@ -61,7 +62,7 @@ class CompileRecord:
             return 0
         out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
         # a checkpointed region's saved RNG state has a symbolic length: its hint is counted
-        return sum(_compat.size_hint(n.meta["val"].numel()) * n.meta["val"].element_size()
+        return sum(compat.size_hint(n.meta["val"].numel()) * n.meta["val"].element_size()
                    for n in out[joint.num_fwd_outputs:]
                    if isinstance(n, fx.Node) and n.op != "placeholder" and
                    isinstance(n.meta.get("val"), torch.Tensor))
@@ -72,7 +73,7 @@ class CompileRecord:
         parameters (FSDP) and never the batch."""
         gm = self.program.graph_module
         nodes = {n.name: n for n in gm.graph.nodes}
-        params = {f"primals_{k + 1}" for k, i in enumerate(self.program.primal_inputs)
+        params = {roles.primal_name(k) for k, i in enumerate(self.program.primal_inputs)
                   if i.kind == "dtensor"}
 
         def is_param(name: str) -> bool:
@@ -115,7 +116,7 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
     inductor = bool(opts.pop("inductor", True))
     simulate = bool(opts.pop("simulate", False))
     agreement.begin_graph()
-    if (_compat.dynamo_frame_file() or "").startswith(_compat.DTENSOR_DIR):
+    if (compat.dynamo_frame_file() or "").startswith(patches.DTENSOR_DIR):
         # DTensor's own code, entered while a step Dynamo split runs eagerly (autograd calling
         # from_local's backward, DTensor's dispatch): local bookkeeping, not a global program
         # to plan; run as DTensor runs it
@@ -125,7 +126,7 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
         # local code already: compiled as they are, user collectives kept
         compiled = compiled_autograd.compile_local(gm, example_inputs, inductor)
         if compiled is None:
-            with _compat.disable_local_tensor_mode(), compiled_autograd.disabled():
+            with compat.disable_local_tensor_mode(), compiled_autograd.disabled():
                 compiled = _compile(gm, list(example_inputs), inductor, simulate)
         if not isinstance(compiled, DistStep):  # planned programs were compared before Inductor
             check_same_schedule([gm], f"graph of {_code_name(gm)}")
@@ -248,7 +249,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
     t = time.perf_counter()
     dynamo_gm, dynamo_inputs = gm, example_inputs
     # a nested_compile_region's body is planned as the code it is (issue 17 keeps it whole)
-    gm = _compat.inline_nested_compile_regions(gm)
+    gm = compat.inline_nested_compile_regions(gm)
     # an optimizer's DTensor parameters and state reach us as graph attributes: inputs from here
     gm, attributes = lift_tensor_attributes(gm)
     example_inputs = [*example_inputs, *attributes]
@@ -274,9 +275,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
 
     boundary = [_input_placements(i, mesh) for i in program.primal_inputs]
     primal_pl = [pl for pl, _ in boundary]
-    origins = [f"DTensor input {i.name}" if i.kind == "dtensor" else
-               f"plain tensor input {i.name} (a global value on every rank)"
-               for i in program.primal_inputs]
+    origins = [i.origin() for i in program.primal_inputs]
     grad_pl = [p if i.requires_grad else None for p, i in zip(primal_pl, program.primal_inputs)]
     pinned = {node.name: pl for node, (_, pl) in constraints.items()}
 
@@ -342,7 +341,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
     in_strides = [layout.input_local_strides(
         i.shape, i.stride, pl, mesh_shape, coord,
         i.local_stride if i.kind == "dtensor" and tuple(i.placements) == tuple(pl) and
-        all(_compat.static_size(v) is not None for v in i.local_stride) else None)
+        all(compat.static_size(v) is not None for v in i.local_stride) else None)
         for i, pl in zip(program.primal_inputs, primal_pl)]
 
     t = time.perf_counter()
@@ -428,7 +427,7 @@ def _warn_batch_gathers(record: CompileRecord, axes: Sequence[str]) -> None:
                     "the cost", len(found), axis, where, " ..." if len(found) > 3 else "")
 
 
-dist_backend._dynamo_dist_backend = True  # how _compat recognises Dynamo tracing for us
+dist_backend._dynamo_dist_backend = True  # how compat.dist_backend_is_tracing recognises Dynamo tracing for us
 
 
 def _dynamo_settings():
@@ -437,19 +436,16 @@ def _dynamo_settings():
     recompiles -- while tensor sizes may be symbolic. Unspecialised, Dynamo passes a changing
     float as a 0-d tensor read with ``.item()``, a value a plan cannot know. And
     ``loss.backward()`` / ``opt.step()`` in a compiled function are traced into the program, so
-    a whole training step is planned and compiled as one (``_compat.install_whole_step``)."""
-    return _compat.dynamo_settings_for_dist()
+    a whole training step is planned and compiled as one (``patches.install_whole_step``)."""
+    return compat.dynamo_settings_for_dist()
 
 
 dist_backend.backend_ctx_ctor = _dynamo_settings
-_compat.install_backend_ctx_with_options()
-_compat.install_whole_step()
-_compat.install_symbolic_plain_tensor_wrapping()
 # Installed when the backend is first resolved (torch.compile looks it up before Dynamo traces),
-# so programs that never call shard_module (DTensors made by hand) get it too; it changes DTensor
-# only while Dynamo traces for this backend.
-_compat.install_dynamo_tracing_fallback()
+# so programs that never call shard_module (DTensors made by hand) get them too; each acts only
+# while Dynamo traces for this backend, unless its docstring says otherwise.
+patches.install()
 # Plain tensors in a dist program are global values, so DTensor must read them as Replicate when
 # they meet DTensors (Dynamo runs DTensor's dispatch while tracing). A process-wide switch in
 # torch 2.13; shard_module sets it too.
-_compat.allow_implicit_replication(True)
+compat.allow_implicit_replication(True)

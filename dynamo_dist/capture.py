@@ -21,12 +21,20 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor, DeviceMesh
+from torch.distributed.tensor import DeviceMesh, DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-from . import _compat
+from inductor_passes.core import compat, roles
+from inductor_passes.core.annotation_ops import (CONSTRAINT_OP, encode_spec, enter_manual,
+                                                 exit_manual, mesh_key)
 from inductor_passes.core.errors import DistCompileError, user_source
 from inductor_passes.core.ops import attention_math, matmul_nd, wants_matmul_nd
+from inductor_passes.core.placements import is_split, is_uneven, normalize, plannable, replicate
+from inductor_passes.sharding.rules import PLANNED_WHOLE
+
+from .annotations import refuse_strided_nesting, with_sharding_constraint
+from .manual import mark_manual
+from .spmd import input_annotation
 
 log = logging.getLogger("dynamo_dist")
 
@@ -51,6 +59,11 @@ class InputInfo:
     placements: tuple[Placement, ...] | None = None
     stride: tuple[int, ...] | None = None  # GLOBAL strides as the tensor arrived (DTensor: its own)
     local_stride: tuple[int, ...] | None = None  # a DTensor's local tensor's strides, this rank
+
+    def origin(self) -> roles.InputOrigin:
+        """What the planner knows of this tensor input (a DTensor's gathers cost memory)."""
+        return roles.InputOrigin(roles.InputKind.DTENSOR if self.kind == "dtensor" else
+                                 roles.InputKind.PLAIN, self.name)
 
 
 @dataclasses.dataclass
@@ -90,8 +103,6 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
         elif isinstance(x, torch.Tensor):
             # a plain tensor is a global value; ``spmd.mark_sharding`` may have given it a
             # placement eagerly (each rank then receives its own piece)
-            from .spmd import input_annotation
-
             mesh, pls = input_annotation(x) or (None, None)
             infos.append(InputInfo(i, name, "tensor", _sizes(x.shape), x.dtype, x.requires_grad,
                                    mesh, pls, _sizes(x.stride())))
@@ -115,7 +126,7 @@ TENSOR_KINDS = ("dtensor", "tensor")
 
 def _sizes(values) -> tuple:
     """Sizes or strides, those a guard fixed (``symbolic.specialise``) as the numbers."""
-    return tuple(map(_compat.fixed_size, values))
+    return tuple(map(compat.fixed_size, values))
 
 
 def _sizes_of_tensors(x: torch.SymInt, example_inputs: Sequence[Any]) -> bool:
@@ -160,11 +171,11 @@ def symbolic_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]):
     symbolic = False
     for t in fakes:
         local = t.to_local() if isinstance(t, DTensor) else t
-        if isinstance(local, torch.Tensor) and _compat.has_symbolic_shape(local):
+        if isinstance(local, torch.Tensor) and compat.has_symbolic_shape(local):
             if getattr(local, "fake_mode", None) is not None:  # (a LocalTensor holds fakes)
                 return local.fake_mode, fakes
             symbolic = True
-    mode = _compat.detect_fake_mode([t for t in fakes if type(t) is not DTensor]) \
+    mode = compat.detect_fake_mode([t for t in fakes if type(t) is not DTensor]) \
         if symbolic else None
     return (mode, fakes) if mode is not None else (None, example_inputs)
 
@@ -303,11 +314,9 @@ def _seeded_grad(outputs, inputs, grad_outputs=None, **kwargs):
     """``torch.autograd.grad`` inside the program (a traced ``loss.backward()``), its implicit
     ones made here under a ``BACKWARD_SEED`` mark: the planner then knows what follows as a
     backward (data parallelism holds gradients as pending sums there, as for a tangent)."""
-    from inductor_passes.sharding.propagate import BACKWARD_SEED
-
     if grad_outputs is None:
         single = isinstance(outputs, torch.Tensor)
-        with _compat.node_annotation({BACKWARD_SEED: True}):
+        with compat.node_annotation({roles.BACKWARD_SEED: True}):
             grad_outputs = [torch.ones_like(t) for t in _tensors(outputs)]
         grad_outputs = grad_outputs[0] if single else grad_outputs
     return torch.autograd.grad(outputs, inputs, grad_outputs, **kwargs)
@@ -323,7 +332,7 @@ def _check_backward_reaches_every_leaf(node: fx.Node, args, kwargs) -> None:
         return  # the user's own autograd.grad: its inputs are what they asked for
     outputs, inputs = args[0], args[1]
     listed = {id(t) for t in _tensors(inputs)}
-    for leaf in _compat.autograd_leaves(_tensors(outputs)):
+    for leaf in compat.autograd_leaves(_tensors(outputs)):
         if id(leaf) not in listed:
             raise DistCompileError(
                 f"backward() traced into the program does not reach a tensor that requires grad "
@@ -380,7 +389,7 @@ class _GlobalInterpreter(fx.Interpreter):
             _check_backward_reaches_every_leaf(self._node, args, kwargs)
             return _seeded_grad(*args, **kwargs)
         if target is torch.baddbmm:
-            args, kwargs = _compat.baddbmm_self_expanded(args, kwargs)
+            args, kwargs = compat.baddbmm_self_expanded(args, kwargs)
         if target is DTensor.from_local:
             return self._from_local(*args, **kwargs)
         if target is getattr and len(args) == 2 and args[1] in _DTENSOR_METADATA and \
@@ -389,14 +398,14 @@ class _GlobalInterpreter(fx.Interpreter):
         if target is torch.matmul and not kwargs and wants_matmul_nd(*args):
             return self._local_aware(lambda a, k: matmul_nd(*a), args, kwargs)
         if target is torch.nn.functional.scaled_dot_product_attention and \
-                _compat.sdpa_takes_math_path(*args, **kwargs):
+                compat.sdpa_takes_math_path(*args, **kwargs):
             return self._local_aware(lambda a, k: attention_math(*a, **k), args, kwargs)
         return self._local_aware(lambda a, k: super(_GlobalInterpreter, self).call_function(
             target, a, k), args, kwargs)
 
     def call_method(self, target, args, kwargs):
         if target == "baddbmm":
-            args, kwargs = _compat.baddbmm_self_expanded(args, kwargs)
+            args, kwargs = compat.baddbmm_self_expanded(args, kwargs)
         if target in ("redistribute", "full_tensor", "to_local") and args and \
                 isinstance(args[0], torch.Tensor) and id(args[0]) not in self._manual:
             return self._dtensor_call(target, args, kwargs)
@@ -432,12 +441,6 @@ class _GlobalInterpreter(fx.Interpreter):
         return out
 
     def _enter(self, x: torch.Tensor, placements) -> torch.Tensor:
-        from inductor_passes.sharding.placements import is_uneven
-
-        from .annotations import encode_spec, enter_manual
-
-        from .plans.spec import refuse_strided_nesting
-
         refuse_strided_nesting("a manual region (to_local / enable_manual_sharding)",
                                tuple(x.shape), self.mesh, placements, user_source(self._node))
         if is_uneven(tuple(x.shape), placements, tuple(self.mesh.shape)):
@@ -454,10 +457,6 @@ class _GlobalInterpreter(fx.Interpreter):
 
     def _from_local(self, x, device_mesh=None, placements=None, *, run_check=False, shape=None,
                     stride=None):
-        from inductor_passes.sharding.placements import is_split, normalize
-
-        from .annotations import encode_spec, exit_manual
-
         node = self._node
         mesh = device_mesh if isinstance(device_mesh, DeviceMesh) else self.mesh
         if mesh is None:
@@ -484,7 +483,6 @@ class _GlobalInterpreter(fx.Interpreter):
                 if is_split(p):
                     full[p.dim] *= mesh.shape[axis]
             shape = full
-        from .plans.spec import refuse_strided_nesting
 
         refuse_strided_nesting("DTensor.from_local", tuple(shape), mesh, pls, user_source(node))
         out = exit_manual(x, encode_spec(mesh, pls), [int(s) for s in shape])
@@ -492,10 +490,6 @@ class _GlobalInterpreter(fx.Interpreter):
         return out
 
     def _dtensor_call(self, target, args, kwargs):
-        from inductor_passes.sharding.placements import normalize
-
-        from .annotations import with_sharding_constraint
-
         node, x = self._node, args[0]
         if target == "redistribute":
             mesh = args[1] if len(args) > 1 else kwargs.get("device_mesh")
@@ -516,7 +510,7 @@ class _GlobalInterpreter(fx.Interpreter):
                 # (branches such as parallelize_module's "redistribute unless already in the
                 # output layout" were taken on it): eager DTensor's own choice, or Replicate
                 # after an op DTensor has no strategy for
-                # (``_compat.install_dynamo_tracing_fallback``).
+                # (``patches.install_dynamo_tracing_fallback``).
                 pls = normalize(tuple(seen.placements), x.ndim)
                 log.info("dynamo_dist: %s: to_local() of a value the planner places; read as "
                          "%s (pin it with redistribute for another local shard)",
@@ -562,7 +556,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
     on tensor data.
     """
     symbolic, example_inputs = symbolic_inputs(gm, example_inputs) if symbolic else \
-        (None, [_compat.static_size(x) if isinstance(x, torch.SymInt) else x
+        (None, [compat.static_size(x) if isinstance(x, torch.SymInt) else x
                 for x in example_inputs])
     infos = classify_inputs(gm, example_inputs)
     # Called under no_grad / inference_mode (evaluation, generation, an optimizer step) the
@@ -572,10 +566,8 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
         infos = [dataclasses.replace(i, requires_grad=False) for i in infos]
     mesh = find_mesh(infos, example_inputs)
     if mesh is not None:
-        from .annotations import mesh_key
-
         mesh_key(mesh)  # cached now: read under fake mode it would be data-dependent
-    fake_mode = symbolic or _compat.FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = symbolic or compat.FakeTensorMode(allow_non_fake_inputs=True)
     tensor_infos = [i for i in infos if i.kind in TENSOR_KINDS]
     with fake_mode:
         primals = [_global_fake(fake_mode, i, example_inputs[i.index], symbolic is not None)
@@ -587,9 +579,9 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
     def run_forward(*tensors):
         # a size input that a guard fixed (symbolic.specialise) is that number from here on
-        args = list(map(_compat.fixed_size, example_inputs))
+        args = list(map(compat.fixed_size, example_inputs))
         for info in infos:
-            if info.kind == "size" and _compat.static_size(args[info.index]) is None:
+            if info.kind == "size" and compat.static_size(args[info.index]) is None:
                 args[info.index] = _traced_size(args[info.index], tensors)
         known, positions = {}, {}
         for k, (info, t) in enumerate(zip(tensor_infos, tensors)):
@@ -636,7 +628,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
                 diff = [flat[i] for i in diff_outputs]
                 grads: list[Any] = [None] * len(primals)
                 if diff and grad_targets:
-                    _compat.preserve_backward_stack_traces([t.grad_fn for t in diff])
+                    compat.preserve_backward_stack_traces([t.grad_fn for t in diff])
                     got = torch.autograd.grad(diff, [primals[k] for k in grad_targets],
                                               tangents, allow_unused=True)
                     for k, g in zip(grad_targets, got):
@@ -647,14 +639,12 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
     # call the functional op with out= and fail. Ops whose decomposition merges the dims a plan
     # splits (max pool's backward views [N, C, ...] as [N * C, ...]) are planned whole; lowering
     # decomposes them on local shapes, so Inductor still sees the decomposed form.
-    from inductor_passes.sharding.rules import PLANNED_WHOLE
-
-    decomp = {op: fn for op, fn in _compat.select_decomp_table().items()
+    decomp = {op: fn for op, fn in compat.select_decomp_table().items()
               if not (hasattr(op, "_schema") and any(a.is_out for a in op._schema.arguments))
               and op not in PLANNED_WHOLE}
     decomp.update(foreach_decompositions())
-    with _compat.disable_local_tensor_mode(), _leaf_mutation_explained(tensor_infos):
-        joint_gm = _compat.make_fx(
+    with compat.disable_local_tensor_mode(), _leaf_mutation_explained(tensor_infos):
+        joint_gm = compat.make_fx(
             joint,
             decomposition_table=decomp,
             tracing_mode="fake",
@@ -663,7 +653,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
         if _mutates(joint_gm):
             joint_gm = _functionalize(joint_gm, primals, tangents)
     mutated = _lift_input_mutations(joint_gm, len(flat_outs), mesh, tensor_infos)
-    names = {f"primals_{k + 1}": info.name for k, info in enumerate(tensor_infos)}
+    names = {roles.primal_name(k): info.name for k, info in enumerate(tensor_infos)}
     _check_functional(joint_gm, names)
     joint_gm.graph.eliminate_dead_code()
     joint_gm.recompile()
@@ -673,8 +663,6 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
     local = sorted(set(manual_outs) | {i for i, a in enumerate(out_args)
                                        if isinstance(a, fx.Node) and a.name in local_outputs})
     if manual_nodes or manual_inputs:
-        from .manual import mark_manual
-
         mark_manual(joint_gm, mesh, sorted(manual_inputs), manual_outs, diff_outputs)
     return JointProgram(joint_gm, infos, tensor_infos, len(flat_outs) + len(mutated), diff_outputs,
                         out_spec, mesh, local, mutated)
@@ -686,8 +674,6 @@ def planned_input_placements(info: InputInfo,
     tensor is Replicate; a DTensor keeps its placement except on mesh axes the planner cannot
     hold (``placements.plannable``: unsupported types, a _StridedShard that is uneven or nested
     with another split), which become Replicate."""
-    from inductor_passes.sharding.placements import normalize, plannable, replicate
-
     if info.placements is None:
         return replicate(len(mesh_shape)), []
     return plannable(info.shape, normalize(info.placements, len(info.shape)), tuple(mesh_shape))
@@ -700,8 +686,6 @@ def _lift_input_mutations(gm: fx.GraphModule, num_user_outputs: int, mesh,
     writes it back into the input (as AOTAutograd does for input mutations). Inputs that
     require grad are left alone (``_check_functional`` rejects them). Returns the primal index
     of each lifted mutation, in output order."""
-    from .annotations import CONSTRAINT_OP, encode_spec
-
     out_node = next(iter(gm.graph.find_nodes(op="output")))
     outs = list(out_node.args[0])
     mutated, written = [], []
@@ -709,9 +693,9 @@ def _lift_input_mutations(gm: fx.GraphModule, num_user_outputs: int, mesh,
         if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
             continue
         dst = node.args[0]
-        if dst.op != "placeholder" or not dst.name.startswith("primals_") or node.users:
+        if not roles.is_primal(dst) or node.users:
             continue
-        k = int(dst.name.split("_")[1]) - 1
+        k = roles.primal_index(dst)
         info = tensor_infos[k]
         if info.requires_grad:
             continue
@@ -744,8 +728,8 @@ def _leaf_mutation_explained(tensor_infos: Sequence[InputInfo]):
     error was the bare op name, "aten.nonzero.default")."""
     try:
         yield
-    except _compat.DATA_DEPENDENT_ERRORS as exc:
-        raise _compat.data_dependent_error(getattr(exc, "func", None)) from exc
+    except compat.DATA_DEPENDENT_ERRORS as exc:
+        raise compat.data_dependent_error(getattr(exc, "func", None)) from exc
     except RuntimeError as exc:
         if "in-place operation" not in str(exc):
             raise
@@ -785,7 +769,7 @@ def _functionalize(joint_gm: fx.GraphModule, primals, tangents) -> fx.GraphModul
     # updated input back would trip over a leaf that requires grad)
     primals = [p.detach() for p in primals]
     with torch.fx.traceback.preserve_node_meta():
-        return _compat.make_fx(joint, tracing_mode="fake", record_stack_traces=True)(
+        return compat.make_fx(joint, tracing_mode="fake", record_stack_traces=True)(
             primals, tangents)
 
 
@@ -826,7 +810,7 @@ def _check_static(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         vals = node.meta.get("val")
         for v in (vals if isinstance(vals, (tuple, list)) else [vals]):
-            if isinstance(v, torch.Tensor) and _compat.has_free_unbacked_symbols(v):
+            if isinstance(v, torch.Tensor) and compat.has_free_unbacked_symbols(v):
                 raise DistCompileError(
                     f"{node.target} at {node.name} produces a tensor whose shape depends on "
                     f"tensor values ({tuple(v.shape)}); the dist backend plans static shapes",

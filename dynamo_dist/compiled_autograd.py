@@ -29,7 +29,7 @@ then compares the user's collectives across ranks too)::
 
     compiled = compiled_autograd.compile_local(gm, example_inputs, inductor)
     if compiled is None:
-        with _compat.disable_local_tensor_mode(), compiled_autograd.disabled():
+        with compat.disable_local_tensor_mode(), compiled_autograd.disabled():
             compiled = _compile(gm, list(example_inputs), inductor)
 
 ``disabled()``: capture traces the joint graph with ``torch.autograd.grad``, which compiled
@@ -49,8 +49,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from inductor_passes import comm
-
-from . import _compat
+from inductor_passes.core import compat
 from inductor_passes.core.errors import DistCompileError
 from inductor_passes.core.ledger import CollectiveEntry, CollectiveLedger
 
@@ -120,7 +119,7 @@ def clear_backward_records() -> None:
 def compiled_autograd_id() -> int | None:
     """The compiled-autograd graph id of the compile in progress, or None when Dynamo is not
     compiling a compiled-autograd graph (or a frame it calls) now. Raises nothing."""
-    return _compat.compiled_autograd_id()
+    return compat.compiled_autograd_id()
 
 
 def collectives(gm: fx.GraphModule) -> list[GraphCollective]:
@@ -164,7 +163,7 @@ def compile_local(gm: fx.GraphModule, example_inputs: Sequence[Any], inductor: b
     """
     ca_id = compiled_autograd_id()
     leaves = pytree.tree_leaves(list(example_inputs))
-    forward_hooks = any(isinstance(x, _compat.BackwardState) for x in leaves)
+    forward_hooks = any(isinstance(x, compat.BackwardState) for x in leaves)
     if ca_id is None and not forward_hooks:
         return None
     if _sharded(gm, leaves):
@@ -202,7 +201,7 @@ def disabled():
     autograd and sent to the backend as a backward graph of fakes. AOTAutograd turns it off in
     the same place. Returns the context manager; raises nothing.
     """
-    return _compat.compiled_autograd_disabled()
+    return compat.compiled_autograd_disabled()
 
 
 def _sharded(gm: fx.GraphModule, leaves: Sequence[Any]) -> bool:

@@ -17,8 +17,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import _compat, agreement
+from inductor_passes.core import compat
 from inductor_passes.core.errors import DistCompileError
+
+from . import agreement
 
 ENV = "DYNAMO_DIST_CHECK_INPUTS"
 TIMEOUT_S = 120.0
@@ -44,7 +46,7 @@ def check_same_values(named: Sequence[tuple[str, torch.Tensor]], mesh) -> None:
     if not named or not agreement.has_peers():
         return
     _CALLS["n"] += 1
-    store = _compat.default_store()
+    store = compat.default_store()
     ranks = agreement.mesh_ranks(mesh)
     prefix = f"dynamo_dist/inputs/{_CALLS['n']}"
     store.set(f"{prefix}/{dist.get_rank()}", json.dumps([digest(t) for _, t in named]))

@@ -27,6 +27,12 @@ import time
 
 import torch
 
+from inductor_passes.core.ledger import CollectiveLedger
+
+from .backend import compile_records
+from .models import LlamaSize, build_llama, token_batch
+from .plans import DataParallelPlanner, TensorParallelPlanner, shard_module
+
 
 def parse_mesh(text: str) -> dict[str, int]:
     axes: dict[str, int] = {}
@@ -71,10 +77,6 @@ def run(args, axes: dict[str, int]) -> int:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from .backend import compile_records
-    from inductor_passes.core.ledger import CollectiveLedger
-    from .models import LlamaSize, build_llama, token_batch
-    from .plans import DataParallelPlanner, TensorParallelPlanner, shard_module
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -23,12 +23,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ._compat import (compilation_metrics as _compilation_metrics,
-                      current_compile_id as _current_compile_id,
-                      graph_break_reasons as _graph_break_reasons,
-                      raise_compilation_metrics_limit as _raise_compilation_metrics_limit)
+from inductor_passes.core.compat import compilation_metrics as _compilation_metrics
+from inductor_passes.core.compat import current_compile_id as _current_compile_id
+from inductor_passes.core.compat import graph_break_reasons as _graph_break_reasons
+from inductor_passes.core.compat import \
+    raise_compilation_metrics_limit as _raise_compilation_metrics_limit
+
 from ._explain_report import (ExplainReport, Finding, GraphInfo, InputPlacement, Recompile,
                               _frame_name, _short, graph_info)
+from .backend import compile_records, dist_backend
 
 __all__ = ["ExplainReport", "Finding", "GraphInfo", "InputPlacement", "Recompile", "Recording",
            "explain", "recording"]
@@ -152,8 +155,6 @@ class Recording:
     remembers each graph. Use through ``recording()``; ``report()`` builds the ExplainReport."""
 
     def __init__(self, options: dict | None = None) -> None:
-        from .backend import dist_backend
-
         self.options = dict(options or {})
         self.compiler_fn = dist_backend
 
@@ -172,8 +173,6 @@ class Recording:
 
     def _record(self, gm, example_inputs, options: dict | None = None):
         """The ``dist`` backend, recording ``gm`` and its CompileRecord (if one was made)."""
-        from .backend import compile_records
-
         before = len(compile_records())
         entry = [gm, _current_compile_id(), None]  # None until the backend returns: "failed"
         self.graphs.append(entry)
@@ -258,8 +257,6 @@ def recording(options: dict | None = None, patch_compile: bool = True) -> Iterat
     ``{"inductor": False}``). Yields the Recording; ``rec.report()`` returns the ExplainReport.
     Exceptions from the block propagate (``rec.error`` is not set by the context manager).
     """
-    from .backend import dist_backend
-
     rec = Recording(options)
     original = torch.compile
 

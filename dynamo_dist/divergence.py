@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from . import _compat, agreement
+from inductor_passes.core import compat
 from inductor_passes.core.errors import DistCompileError, user_source
 
+from . import agreement
 
 
 def collective_schedule(graphs: Iterable[fx.GraphModule]) -> list[dict]:
@@ -53,7 +54,7 @@ def collective_schedule(graphs: Iterable[fx.GraphModule]) -> list[dict]:
 
 def _is_group(name: str) -> bool:
     try:
-        _compat.resolve_process_group(name)
+        compat.resolve_process_group(name)
         return True
     except Exception:  # a reduce op ("sum"), not a group name
         return False
@@ -62,7 +63,7 @@ def _is_group(name: str) -> bool:
 def _group_shape(name: str) -> str:
     """A process group as the same string on every rank of the same mesh axis: ranks (0, 2) and
     (1, 3) are one axis's two groups, with different names but the same shape (size, strides)."""
-    ranks = sorted(dist.get_process_group_ranks(_compat.resolve_process_group(name)))
+    ranks = sorted(dist.get_process_group_ranks(compat.resolve_process_group(name)))
     return f"group(size={len(ranks)}, strides={[b - a for a, b in zip(ranks, ranks[1:])]})"
 
 
@@ -81,7 +82,7 @@ def check_same_schedule(graphs: Iterable[fx.GraphModule], what: str) -> None:
     schedule = collective_schedule(graphs)
     rank, world = dist.get_rank(), dist.get_world_size()
     digest = hashlib.sha256("\n".join(map(_key, schedule)).encode()).hexdigest()[:16]
-    store = _compat.default_store()
+    store = compat.default_store()
     graph = agreement.current_graph()
     prefix = f"dynamo_dist/schedule/{graph}"
     store.set(f"{prefix}/{rank}", json.dumps({"digest": digest, "schedule": schedule,

@@ -21,8 +21,10 @@ from typing import Sequence
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-MANUAL = "dynamo_dist_manual"  # node.meta key: the value is a LOCAL tensor (manual region)
-VARYING = "dynamo_dist_varying"  # node.meta key: mesh axes over which a local value differs
+from inductor_passes.core import roles
+from inductor_passes.core.annotation_ops import (ENTER_OP, EXIT_OP, decode_spec, encode_spec,
+                                                 mesh_from_key)
+from inductor_passes.core.roles import MANUAL, VARYING, tangent_dependent
 
 _REDUCING = ("all_reduce", "all_gather_into_tensor", "all_reduce_coalesced",
              "all_gather_into_tensor_coalesced")
@@ -33,17 +35,13 @@ def mark_manual(gm: fx.GraphModule, mesh, manual_primals: Sequence[int],
     """Flag local values (see module doc) and set the placements of each gradient that leaves
     local code (the backward's ``exit_manual``) from what varies. ``manual_primals``: input
     positions read as per-rank values; ``manual_outputs``: forward outputs that are local."""
-    from inductor_passes.sharding.propagate import tangent_dependent
-
-    from .annotations import ENTER_OP, EXIT_OP, decode_spec, encode_spec
-
     axes_all = frozenset(range(mesh.ndim))
     groups = _group_axes(mesh)
     out_node = next(iter(gm.graph.find_nodes(op="output")))
     fwd_outs = out_node.args[0]
-    tangent_of = {f"tangents_{j + 1}": fwd_outs[i] for j, i in enumerate(diff_outputs)
+    tangent_of = {roles.tangent_name(j): fwd_outs[i] for j, i in enumerate(diff_outputs)
                   if i in manual_outputs}
-    primals = {f"primals_{k + 1}" for k in manual_primals}
+    primals = {roles.primal_name(k) for k in manual_primals}
     bwd = tangent_dependent(gm.graph)
     # forward first: a tangent takes the variance of its forward output, which comes later in
     # graph order than the tangent placeholders
@@ -60,7 +58,7 @@ def mark_manual(gm: fx.GraphModule, mesh, manual_primals: Sequence[int],
             varying = frozenset(a for a, p in enumerate(pls) if not isinstance(p, Replicate))
         elif node.op == "call_function" and node.target is EXIT_OP:
             if node in bwd:
-                _settle_gradient_exit(node, decode_spec, encode_spec)
+                _settle_gradient_exit(node)
         elif node.op == "call_function":
             inputs = [a.meta[VARYING] for a in node.all_input_nodes if a.meta.get(MANUAL)]
             if inputs:
@@ -75,7 +73,7 @@ def mark_manual(gm: fx.GraphModule, mesh, manual_primals: Sequence[int],
             node.meta[VARYING] = varying
 
 
-def _settle_gradient_exit(node: fx.Node, decode_spec, encode_spec) -> None:
+def _settle_gradient_exit(node: fx.Node) -> None:
     """A gradient leaving local code is Partial(sum) on an axis only where it varies."""
     key, pls = decode_spec(node.args[1])
     src = node.args[0]
@@ -83,8 +81,6 @@ def _settle_gradient_exit(node: fx.Node, decode_spec, encode_spec) -> None:
     settled = tuple(Replicate() if isinstance(p, Partial) and a not in varying else p
                     for a, p in enumerate(pls))
     if settled != pls:
-        from .annotations import mesh_from_key
-
         node.args = (src, encode_spec(mesh_from_key(key), settled), *node.args[2:])
 
 

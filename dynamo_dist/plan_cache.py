@@ -23,6 +23,9 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+import inductor_passes
+from inductor_passes.sharding.cost import axis_weights
+
 log = logging.getLogger("dynamo_dist")
 
 _VERSION = 1  # bump when Plan's pickled layout changes
@@ -36,8 +39,6 @@ def enabled() -> bool:
 def _planner_fingerprint() -> str:
     """Hash of the planner's sources (rules, cost model, solver, propagation, and the bottom
     layer's custom ops they read) and torch's version: any change to them is another plan."""
-    import inductor_passes
-
     h = hashlib.sha256(f"{_VERSION} {torch.__version__}".encode())
     top = os.path.dirname(inductor_passes.__file__)
     # every subpackage too: the op rules live in sharding/rules/ (a flat listing missed them,
@@ -77,8 +78,6 @@ def _node_line(node: fx.Node) -> str:
 def plan_key(gm: fx.GraphModule, mesh, **inputs: Any) -> str:
     """sha256 of the graph (one line per node), the mesh and ``inputs`` (placements, pinned
     constraints, origins, data axes, ...: anything else the planner reads, as ``repr``)."""
-    from inductor_passes.sharding.cost import axis_weights
-
     h = hashlib.sha256(_planner_fingerprint().encode())
     for node in gm.graph.nodes:
         h.update(_node_line(node).encode())

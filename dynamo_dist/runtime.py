@@ -22,12 +22,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from inductor_passes.compile import CompiledJoint
+from inductor_passes.core import compat
 from inductor_passes.core.errors import DistCompileError
+from inductor_passes.core.placements import Placements
 from inductor_passes.layout import same_layout
-from inductor_passes.sharding.placements import Placements
 
-from . import _compat, contract
+from . import contract
 from .capture import TENSOR_KINDS, InputInfo
+from .spmd import input_annotation
 
 log = logging.getLogger("dynamo_dist")
 
@@ -189,8 +191,8 @@ def _global_shape_check(info: InputInfo) -> list[tuple[int, int | None]]:
     if info.kind != "dtensor" or info.shape is None:
         return []
     split = {p.dim for p in info.placements or () if isinstance(p, Shard)}
-    return [(d, _compat.static_size(size)) for d, size in enumerate(info.shape)
-            if _compat.static_size(size) is not None or d in split]
+    return [(d, compat.static_size(size)) for d, size in enumerate(info.shape)
+            if compat.static_size(size) is not None or d in split]
 
 
 def _check_global_shape(x: DTensor, info: InputInfo, check, mesh) -> None:
@@ -203,7 +205,7 @@ def _check_global_shape(x: DTensor, info: InputInfo, check, mesh) -> None:
         raise DistCompileError(
             f"DTensor input {info.name} has global shape {tuple(x.shape)}, but the program "
             f"that serves this call was compiled for "
-            f"{tuple(_compat.fixed_size(v) for v in info.shape)} (dim {d}: "
+            f"{tuple(compat.fixed_size(v) for v in info.shape)} (dim {d}: "
             f"{want if want is not None else f'{pieces} equal pieces'}): Dynamo matched it by "
             f"this rank's local piece {tuple(x.to_local().shape)} only, and running it would "
             f"compute on the wrong global size", shapes=[tuple(x.shape)], mesh=mesh,
@@ -219,8 +221,8 @@ class _Symbolic:
     ``dynamo_dist.symbolic``), strides dense in the order the traced ones had."""
 
     def __init__(self, values) -> None:
-        self.static = [_compat.static_size(v) for v in values]
-        hints = [_compat.size_hint(v) for v in values]
+        self.static = [compat.static_size(v) for v in values]
+        hints = [compat.size_hint(v) for v in values]
         self.order = sorted(range(len(hints)), key=lambda d: (-hints[d], d))  # outermost first
 
     @staticmethod
@@ -270,8 +272,6 @@ def warn_if_annotation_changed(x: torch.Tensor, info: InputInfo) -> None:
     """A plain input's mark_sharding annotation is read when the program is compiled; a later
     change does not recompile (Dynamo does not guard on it). The compiled placement is still
     applied, so results stay right; say so once."""
-    from .spmd import input_annotation
-
     now = input_annotation(x)
     if now is not None and tuple(now[1]) != tuple(info.placements) and info.name not in _WARNED:
         _WARNED.add(info.name)

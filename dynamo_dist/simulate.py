@@ -25,6 +25,10 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from inductor_passes.compile import compile_joint, sizes_first
+from inductor_passes.core.compat import disable_local_tensor_mode
+from inductor_passes.lowering import lower
+
 c10d = torch.ops._c10d_functional
 _COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.all_reduce.default,
                 c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default}
@@ -194,8 +198,6 @@ class SimulatedJoint:
         return [*user, token]
 
     def _backward(self, args: list) -> list:
-        from inductor_passes.compile import sizes_first
-
         saved = self._saved.pop(id(args[0]))
         inputs = {}
         for c, j in self.joints.items():
@@ -206,8 +208,6 @@ class SimulatedJoint:
         return [_pack({self.ranks[c]: outs[c][k] for c in outs}) for k in range(n)]
 
     def _run(self, graphs: dict, inputs: dict) -> dict:
-        from ._compat import disable_local_tensor_mode
-
         with disable_local_tensor_mode(), torch.no_grad():
             return run_lockstep(graphs, inputs, self.groups)
 
@@ -216,9 +216,6 @@ def simulated_joint(gm: fx.GraphModule, plan, mesh, num_fwd_outputs: int,
                     has_backward: bool):
     """Lower ``plan`` for every mesh coordinate and partition each local joint graph; returns
     (SimulatedJoint, the ledger of the rank at coordinate 0)."""
-    from inductor_passes.compile import compile_joint
-    from inductor_passes.lowering import lower
-
     joints, ranks, ledger = {}, {}, None
     for coord in coordinates(tuple(mesh.shape)):
         local_gm, rank_ledger = lower(gm, plan, mesh, num_fwd_outputs, coordinate=coord)

@@ -27,10 +27,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from inductor_passes.core import compat
+from inductor_passes.core.annotation_ops import PIN_ERROR, mesh_key, sharding_constraint
 from inductor_passes.core.errors import DistCompileError
-from inductor_passes.sharding.placements import is_split, is_strided
+from inductor_passes.core.placements import is_split, is_strided, local_shape
+from inductor_passes.layout import contiguous_strides
 
-from . import _compat
+from .annotations import require_tensor, validate_placements
+from .annotations import with_sharding_constraint as constrain
 from .mesh import Mesh, as_device_mesh
 from .plans import PartitionSpec
 from .plans.spec import spec_placements, spec_problem
@@ -78,7 +82,7 @@ def _resolve(mesh: MeshLike, spec, shape: Sequence[int]) -> tuple[DeviceMesh, tu
     dm = as_device_mesh(mesh)
     if not torch.compiler.is_compiling():
         # plain tensors in our programs are global values: DTensor must read them as Replicate
-        _compat.allow_implicit_replication(True)
+        compat.allow_implicit_replication(True)
     if spec and all(isinstance(p, Placement) for p in spec):
         return dm, tuple(spec)
     return dm, partition_spec_to_placements(dm, spec, len(shape), shape)
@@ -104,15 +108,12 @@ def mark_sharding(t: torch.Tensor, mesh: MeshLike, partition_spec: Sequence[Any]
     Raises TypeError when ``t`` is not a tensor, ValueError for a bad spec (see
     ``partition_spec_to_placements``), DistCompileError for placements that cannot apply.
     """
-    from .annotations import require_tensor
-
     require_tensor("mark_sharding", t)
     if torch.compiler.is_compiling():
         return _pin_in_program("mark_sharding", t, mesh, partition_spec)
     dm, pls = _resolve(mesh, partition_spec, tuple(t.shape))
     if isinstance(t, DTensor):
         return t.redistribute(dm, pls)
-    from .plans import validate_placements
 
     validate_placements("mark_sharding", tuple(t.shape), dm, pls)
     _ANNOTATED[t] = (dm, pls)
@@ -132,8 +133,6 @@ def with_sharding_constraint(t: torch.Tensor, mesh: MeshLike, spec: Sequence[Any
     """Pin ``t`` to a partition spec or to placements at this point of the program (JAX's
     ``with_sharding_constraint``). Returns the constrained value. Raises TypeError for a
     non-tensor, ValueError on a bad spec, DistCompileError for placements that cannot apply."""
-    from .annotations import require_tensor, with_sharding_constraint as constrain
-
     require_tensor("with_sharding_constraint", t)
     if torch.compiler.is_compiling():
         return _pin_in_program("with_sharding_constraint", t, mesh, spec)
@@ -144,9 +143,6 @@ def with_sharding_constraint(t: torch.Tensor, mesh: MeshLike, spec: Sequence[Any
 def _pin_in_program(what: str, t: torch.Tensor, mesh: MeshLike, spec) -> torch.Tensor:
     """A pin traced by Dynamo: a bad partition spec is carried to the backend in the
     constraint node, which raises it naming the user's line (``annotations.PIN_ERROR``)."""
-    from .annotations import PIN_ERROR, mesh_key, sharding_constraint
-    from .annotations import with_sharding_constraint as constrain
-
     dm = as_device_mesh(mesh)
     if spec and all(isinstance(p, Placement) for p in spec):
         return constrain(t, dm, tuple(spec))
@@ -162,8 +158,6 @@ def enable_manual_sharding(t: torch.Tensor, partition_spec: Sequence[Any], *,
     Code on the result is local code: it runs as written on every rank, collectives included.
     Pair with ``disable_manual_sharding``. Raises TypeError for a non-tensor, ValueError on a
     bad spec; under compile, DistCompileError when the split is uneven."""
-    from .annotations import require_tensor
-
     require_tensor("enable_manual_sharding", t)
     dm, pls = _resolve(mesh, partition_spec, tuple(t.shape))
     if not isinstance(t, DTensor):
@@ -177,10 +171,6 @@ def disable_manual_sharding(t: torch.Tensor, partition_spec: Sequence[Any],
     ``partition_spec`` (GSPMD shard-to-full). Returns a DTensor (a global value). Raises
     ValueError on a bad spec, DistCompileError when ``t``'s shape is no rank's piece of
     ``full_shape`` under the spec (a wrong ``full_shape`` made an inconsistent DTensor)."""
-    from inductor_passes.layout import contiguous_strides
-
-    from .annotations import require_tensor
-
     require_tensor("disable_manual_sharding", t)
     dm, pls = _resolve(mesh, partition_spec, tuple(full_shape))
     _check_piece(tuple(t.shape), tuple(int(s) for s in full_shape), dm, pls)
@@ -194,7 +184,6 @@ def _check_piece(local: tuple, full: tuple, dm: DeviceMesh, pls) -> None:
     which rank runs it, so that all ranks raise alike)."""
     import itertools
 
-    from inductor_passes.sharding.placements import local_shape
 
 
     mesh_shape = tuple(dm.shape)

@@ -25,10 +25,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from inductor_passes.sharding.placements import fmt, is_placements, is_split, is_strided
+from inductor_passes.core import compat
+from inductor_passes.core.placements import fmt, is_placements, is_split, is_strided
 from inductor_passes.sharding.propagate import Plan
-
-from . import _compat
 
 
 def is_symbolic(gm: fx.GraphModule) -> bool:
@@ -38,7 +37,7 @@ def is_symbolic(gm: fx.GraphModule) -> bool:
 
 def _symbolic_value(val: Any) -> bool:
     return any(isinstance(v, torch.SymInt) or
-               (isinstance(v, torch.Tensor) and _compat.has_symbolic_shape(v))
+               (isinstance(v, torch.Tensor) and compat.has_symbolic_shape(v))
                for v in pytree.tree_leaves(val))
 
 
@@ -47,13 +46,13 @@ def hinted(gm: fx.GraphModule) -> fx.GraphModule:
     fakes of the hinted shape and strides, and every use of a size node (``sym_size``, size
     arithmetic) becomes its hinted int, those nodes removed. Node names are kept, so a plan
     made on the copy is a plan of ``gm``. Reads hints only: no guard is added."""
-    mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
+    mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.SymInt):  # a size: its uses read the hint
-            env[node] = _compat.size_hint(val)
+            env[node] = compat.size_hint(val)
             continue
         new = graph.node_copy(node, lambda a: env[a])
         new.meta = dict(node.meta)
@@ -66,12 +65,12 @@ def hinted(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _hinted_value(v: Any, mode) -> Any:
     if isinstance(v, torch.SymInt):
-        return _compat.size_hint(v)
-    if not isinstance(v, torch.Tensor) or not _compat.has_symbolic_shape(v) and \
+        return compat.size_hint(v)
+    if not isinstance(v, torch.Tensor) or not compat.has_symbolic_shape(v) and \
             all(isinstance(s, int) for s in v.stride()):
         return v
-    shape = [_compat.size_hint(s) for s in v.shape]
-    stride = [_compat.size_hint(s) for s in v.stride()]
+    shape = [compat.size_hint(s) for s in v.shape]
+    stride = [compat.size_hint(s) for s in v.stride()]
     with mode:
         t = torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
     return t.requires_grad_(v.requires_grad)
@@ -90,7 +89,7 @@ def split_symbolic(gm: fx.GraphModule, plan: Plan) -> list[tuple[str, torch.SymI
             return
         for axis, p in enumerate(pls):
             size = val.shape[p.dim] if is_split(p) else None
-            if size is None or _compat.static_size(size) is not None:
+            if size is None or compat.static_size(size) is not None:
                 continue
             # A symbolic size with a static factor the axes splitting it divide (heads x
             # batch: 4*s0 over 2) splits exactly into 2*s0 pieces. Not as a _StridedShard:
@@ -98,13 +97,13 @@ def split_symbolic(gm: fx.GraphModule, plan: Plan) -> list[tuple[str, torch.SymI
             # heads: the batch size).
             n = math.prod(plan.mesh_shape[a] for a, q in enumerate(pls)
                           if is_split(q) and q.dim == p.dim)
-            if _compat.static_size(size % n) == 0:
+            if compat.static_size(size % n) == 0:
                 continue
             # a batch split over data parallelism: even pieces of size // n while the size is
             # a multiple of n (guarded: another size recompiles); uneven ones are not planned
             # symbolically (their pieces differ per rank)
-            if not is_strided(p) and _compat.size_hint(size) % n == 0:
-                _compat.guard_divisible(size, n)
+            if not is_strided(p) and compat.size_hint(size) % n == 0:
+                compat.guard_divisible(size, n)
                 continue
             found.append((f"{what} {node.name} {tuple(val.shape)} as {fmt(pls)}", size))
             return
@@ -140,7 +139,7 @@ class LocalSizes:
     ``b >= 2``), so Dynamo re-checks them on every call as it would its own."""
 
     def __init__(self, gm: fx.GraphModule, plan: Plan) -> None:
-        self.mode = _compat.fresh_size_env()
+        self.mode = compat.fresh_size_env()
         self._local: dict = {}  # Dynamo's symbol -> expression in local symbols
         self._back: dict = {}  # local symbol -> expression in Dynamo's symbols
         self._bounds: list = []  # Dynamo-side facts each local symbol assumes
@@ -159,13 +158,13 @@ class LocalSizes:
 
     def _add(self, sym, split: tuple[torch.SymInt, int] | None) -> None:
         if split is None:  # not split at an input: a local symbol for the same size
-            hint = _compat.size_hint(_compat.symbol_size(self._global, sym))
+            hint = compat.size_hint(compat.symbol_size(self._global, sym))
             local = self._new(hint, str(sym))
             self._local[sym] = _expr(local)
             self._record(local, sym)
             return
         size, n = split
-        local = self._new(_compat.size_hint(size) // n, f"{sym}//{n}")
+        local = self._new(compat.size_hint(size) // n, f"{sym}//{n}")
         self._local[sym] = n * _expr(local)
         self._record(local, (size // n).node.expr)
 
@@ -173,7 +172,7 @@ class LocalSizes:
         """A local symbol named unlike any of Dynamo's (a symbol's name comes from a hash of
         its source's, and sympy compares symbols by name)."""
         for k in range(16):
-            local = _compat.new_size(self.mode, hint, f"{name}#{k}")
+            local = compat.new_size(self.mode, hint, f"{name}#{k}")
             if isinstance(local, int) or _expr(local) not in self._taken:
                 return local
         raise AssertionError(f"no local symbol for {name} unlike Dynamo's")
@@ -182,18 +181,18 @@ class LocalSizes:
         import sympy
 
         if isinstance(local, int):  # specialised (0 or 1): the global size is fixed with it
-            _compat.add_size_guard(self._global, sympy.Eq(global_expr, local))
+            compat.add_size_guard(self._global, sympy.Eq(global_expr, local))
         else:
             self._back[_expr(local)] = global_expr
             self._bounds.append(sympy.Ge(global_expr, 2))
 
     def size(self, v: Any) -> Any:
         """``v`` (a size of Dynamo's ShapeEnv) in local symbols; anything else as it is."""
-        v = _compat.fixed_size(v)
+        v = compat.fixed_size(v)
         if not isinstance(v, torch.SymInt):
             return v
-        return _compat.size_of_expr(self.mode, v.node.expr.xreplace(self._local),
-                                    _compat.size_hint(v))
+        return compat.size_of_expr(self.mode, v.node.expr.xreplace(self._local),
+                                    compat.size_hint(v))
 
     def _value(self, v: Any) -> Any:
         if isinstance(v, torch.SymInt):
@@ -222,17 +221,17 @@ class LocalSizes:
         ShapeEnv (each holds at the traced sizes)."""
         if self._global is None:
             return
-        new = _compat.size_guards(self.mode)[self._seen:]
+        new = compat.size_guards(self.mode)[self._seen:]
         self._seen += len(new)
         for expr in [*self._bounds, *new]:
-            _compat.add_size_guard(self._global, expr.xreplace(self._back))
+            compat.add_size_guard(self._global, expr.xreplace(self._back))
         self._bounds = []
 
 
 def _sizes_of(val: Any) -> list[torch.SymInt]:
     """The symbolic sizes and strides of a placeholder's value."""
     sizes = [*val.shape, *val.stride()] if isinstance(val, torch.Tensor) else [val]
-    return [v for v in sizes if isinstance(v, torch.SymInt) and _compat.static_size(v) is None]
+    return [v for v in sizes if isinstance(v, torch.SymInt) and compat.static_size(v) is None]
 
 
 def _expr(size: "torch.SymInt | int"):
@@ -266,8 +265,8 @@ def specialise(gm: fx.GraphModule) -> None:
     for node in gm.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
         for d in (val.shape if isinstance(val, torch.Tensor) else ()):
-            if isinstance(d, torch.SymInt) and _compat.static_size(d) is None:
-                _compat.guard_equal(d, _compat.size_hint(d))
+            if isinstance(d, torch.SymInt) and compat.static_size(d) is None:
+                compat.guard_equal(d, compat.size_hint(d))
 
 
 def fix_guarded_sizes(gm: fx.GraphModule) -> None:
@@ -282,9 +281,9 @@ def fix_guarded_sizes(gm: fx.GraphModule) -> None:
 
 def _fixed_value(v: Any) -> Any:
     if not isinstance(v, torch.Tensor) or getattr(v, "fake_mode", None) is None:
-        return _compat.fixed_size(v)
-    shape = [_compat.fixed_size(s) for s in v.shape]
-    stride = [_compat.fixed_size(s) for s in v.stride()]
+        return compat.fixed_size(v)
+    shape = [compat.fixed_size(s) for s in v.shape]
+    stride = [compat.fixed_size(s) for s in v.stride()]
     if all(a is b for a, b in zip(shape, v.shape)) and \
             all(a is b for a, b in zip(stride, v.stride())):
         return v

@@ -17,7 +17,7 @@ OFF by default. With torch 2.13's pass on, the model zoo on 2-4 real gloo ranks 
 first trained four cells to wrong numbers with no error (T5 dp=2 and dp=2 x tp=2: NaN loss;
 Mixtral dp=2 x tp=2: gradients off by 120%; the ConvNet dp=2: a BatchNorm bias gradient 2x).
 Two Inductor defects, both worked around now: C++ fusion scheduling a read of an in-place
-filled buffer before the fill (``_compat.install_inductor_mutation_order_fix``, on for every
+filled buffer before the fill (``inductor_fix.install_inductor_mutation_order_fix``, on for every
 compile: T5, Mixtral), and an all_reduce bucket overwriting an input that is read again later
 (``copy_shared_all_reduce_inputs`` below: the ConvNet). Those cells train at parity with
 bucketing on; it stays an opt-in that warns until the whole zoo has been run with it.
@@ -33,7 +33,7 @@ import os
 
 import torch.fx as fx
 
-from dynamo_dist import _compat
+from inductor_passes.core import compat, inductor_fix
 
 DEFAULT_BUCKET_MB = 0.0  # off: see the module doc
 SUGGESTED_BUCKET_MB = 25.0
@@ -82,14 +82,14 @@ def _cap_fn():
 def inductor_config() -> dict:
     """Inductor config entries that turn bucketing on with our cap (empty when it is off)."""
     cap = _cap_fn()
-    return _compat.bucketing_config(cap) if cap else {}
+    return compat.bucketing_config(cap) if cap else {}
 
 
 def predicted_buckets(gm: fx.GraphModule) -> dict[str, list[int]]:
     """Per collective kind, the sizes (number of collectives merged) of the buckets Inductor will
     form in ``gm``: what the ledger reports as issued. Reads the graph, changes nothing."""
     cap = _cap_fn()
-    return _compat.predict_buckets(gm, cap) if cap else {}
+    return compat.predict_buckets(gm, cap) if cap else {}
 
 
 # _c10d_functional collective op -> ledger kind (wait_tensor is not a collective)

@@ -8,15 +8,14 @@ import os
 from typing import Any, Callable
 
 import torch
-
 import torch.fx as fx
 
-from dynamo_dist import _compat
+from inductor_passes.core import compat, inductor_fix
 
 from . import comm
 
 # Part of Inductor's FX-graph cache key for our compiles: an artifact compiled before
-# ``_compat.install_inductor_mutation_order_fix`` (a read scheduled ahead of an in-place draw)
+# ``inductor_fix.install_inductor_mutation_order_fix`` (a read scheduled ahead of an in-place draw)
 # must not be served again. Bump it when a torch patch of ours changes generated code.
 _CACHE_KEY_TAG = "dynamo_dist:mutation-order-1"
 
@@ -62,14 +61,14 @@ def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int
     inputs = inputs if inputs is not None else _example_inputs(gm)
     comm.copy_shared_all_reduce_inputs(gm)
     out = next(iter(gm.graph.find_nodes(op="output")))
-    out.meta[_compat.USER_VISIBLE_OUTPUTS_META] = [
+    out.meta[compat.USER_VISIBLE_OUTPUTS_META] = [
         i for i, a in enumerate(out.args[0][:visible]) if isinstance(a, fx.Node)]
-    fake_mode = _compat.detect_fake_mode(inputs)
-    with _compat.tracing(_compat.TracingContext(fake_mode)), \
-            _compat.inductor_config_patch(comm.inductor_config()), \
+    fake_mode = compat.detect_fake_mode(inputs)
+    with compat.tracing(compat.TracingContext(fake_mode)), \
+            compat.inductor_config_patch(comm.inductor_config()), \
             _cache_key_tagged(), \
-            _compat.reported_output_strides() as strides:
-        compiled = _compat.compile_fx_inner(gm, inputs, is_backward=is_backward)
+            compat.reported_output_strides() as strides:
+        compiled = compat.compile_fx_inner(gm, inputs, is_backward=is_backward)
         strides = list(strides)
 
     def run(args):
@@ -112,8 +111,8 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
     anything comparing graphs across ranks must look here, not at the records afterwards."""
     # a local program sized in a ShapeEnv of its own (dynamo_dist.symbolic.LocalSizes) is
     # partitioned and compiled in that fake mode, not in the one Dynamo's context names
-    mode = _compat.foreign_fake_mode(_example_inputs(local_gm))
-    with _compat.tracing_in(mode):
+    mode = compat.foreign_fake_mode(_example_inputs(local_gm))
+    with compat.tracing_in(mode):
         return _compile_joint(local_gm, num_fwd_outputs, has_backward, inductor,
                               before_inductor or (lambda graphs: None))
 
@@ -188,7 +187,7 @@ def _partitioner() -> Callable:
     if name == "min_cut":
         return _min_cut
     if name == "default":
-        return _compat.default_partition
+        return compat.default_partition
     raise ValueError(f"DYNAMO_DIST_PARTITIONER={name!r}: fix: use 'min_cut' or 'default'")
 
 
@@ -196,8 +195,8 @@ def _min_cut(gm: fx.GraphModule, inputs, *, num_fwd_outputs: int):
     # without its CSE: CSE merges a ZeRO-3 backward re-gather with the forward gather of the same
     # shard, keeping every gathered parameter alive from forward to backward; whether to
     # re-gather is the plan's choice (priced with the parameter's memory), not the partitioner's
-    with _compat.functorch_config_patch(cse=False):
-        return _compat.min_cut_rematerialization_partition(gm, inputs,
+    with compat.functorch_config_patch(cse=False):
+        return compat.min_cut_rematerialization_partition(gm, inputs,
                                                            num_fwd_outputs=num_fwd_outputs)
 
 

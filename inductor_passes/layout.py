@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .sharding.placements import Placements, local_shape
+from .core.placements import Placements, local_shape
 
 
 def dim_order(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:

@@ -18,17 +18,15 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
-from dynamo_dist import _compat
-from dynamo_dist.annotations import CONSTRAINT_OP, ENTER_OP, EXIT_OP
+from . import layout
+from .core import compat, roles
+from .core.annotation_ops import CONSTRAINT_OP, ENTER_OP, EXIT_OP
 from .core.errors import DistCompileError, describe_mesh, user_source
 from .core.ledger import CollectiveEntry, CollectiveLedger
 from .core.ops import MATMUL_ND
-
-from . import layout
+from .core.placements import Placements, fmt, is_placements, is_strided, local_shape, replicate
 from .redistribute import AxisGroup, mesh_axes, redistribute
-from .sharding.placements import (Placements, fmt, is_placements, is_strided, local_shape,
-                                  replicate)
-from .sharding.propagate import Plan, replicate_source, tangent_dependent
+from .sharding.propagate import Plan, replicate_source
 from .sharding.rules import GETITEM, OpSpec, local_impl, tensor_args
 from .sharding.rules.moments import lower_split, splits_reduced_dim
 
@@ -138,20 +136,20 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
     coord = [ax.coordinate for ax in axes]  # local shapes differ by rank where splits are uneven
     mesh_shape = plan.mesh_shape
     ledger = CollectiveLedger()
-    bwd = tangent_dependent(gm.graph)
+    bwd = roles.tangent_dependent(gm.graph)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    primals = [n for n in placeholders if n.name.startswith("primals")]
-    tangents = [n for n in placeholders if n.name.startswith("tangents")]
+    primals = [n for n in placeholders if roles.is_primal(n)]
+    tangents = [n for n in placeholders if roles.is_tangent(n)]
 
     # a program with symbolic sizes is lowered in the fake mode that made them: they stay
     # symbolic in the local graph (a dim the plan splits at an input is a symbol of its local
     # size there: dynamo_dist.symbolic.LocalSizes)
     vals = [n.meta.get("val") for n in placeholders]
-    symbolic = any(isinstance(v, torch.Tensor) and _compat.has_symbolic_shape(v) for v in vals)
-    sized = _compat.foreign_fake_mode(vals) if symbolic else None
-    fake_mode = sized or _compat.detect_fake_mode(vals)
+    symbolic = any(isinstance(v, torch.Tensor) and compat.has_symbolic_shape(v) for v in vals)
+    sized = compat.foreign_fake_mode(vals) if symbolic else None
+    fake_mode = sized or compat.detect_fake_mode(vals)
     if fake_mode is None or fake_mode.shape_env is None:
-        fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
+        fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
 
     def local_fake(node: fx.Node) -> torch.Tensor:
         """A primal laid out as the runtime passes it (``layout.input_local_strides``); a
@@ -167,7 +165,7 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
         else:
             stride = layout.contiguous_strides(shape)
         with fake_mode:
-            return torch.empty_strided(shape, tuple(map(_compat.fixed_size, stride)),
+            return torch.empty_strided(shape, tuple(map(compat.fixed_size, stride)),
                                        dtype=val.dtype,
                                        device=val.device)
 
@@ -288,23 +286,23 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 results.append(o)
         return results
 
-    with _compat.disable_local_tensor_mode():
+    with compat.disable_local_tensor_mode():
         primal_fakes = [local_fake(n) for n in primals]
         tangent_fakes = [local_fake(n) for n in tangents]
         # Inductor needs its own decompositions applied (redistribute adds zeros_like, ...)
         # the trace's fake mode is the one its sizes live in (Dynamo's own tracing context
         # would otherwise win: dynamo_dist.symbolic.LocalSizes gives them a ShapeEnv of their own)
-        in_mode = _compat.tracing_in(sized)
-        dispatch = _compat.python_dispatcher() if sized is not None else \
+        in_mode = compat.tracing_in(sized)
+        dispatch = compat.python_dispatcher() if sized is not None else \
             contextlib.nullcontext()
         with fx_traceback.preserve_node_meta(), in_mode, dispatch:
-            local_gm = _compat.make_fx(local_joint,
-                                       decomposition_table=_compat.select_decomp_table(),
+            local_gm = compat.make_fx(local_joint,
+                                       decomposition_table=compat.select_decomp_table(),
                                        tracing_mode="fake", record_stack_traces=True,
                                        )(primal_fakes, tangent_fakes)
     # flat calling convention (one placeholder per tensor), as the partitioner and Inductor expect
     local_gm.graph._codegen = fx.graph.CodeGen()
-    _compat.binary_size_arithmetic(local_gm)
+    compat.binary_size_arithmetic(local_gm)
     local_gm.recompile()
     return local_gm, ledger
 
@@ -312,13 +310,13 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
 def _bytes(t: torch.Tensor) -> int:
     """Bytes of a local tensor, at the sizes traced where they are symbolic (a ledger figure:
     comparing a symbolic size would add a guard)."""
-    return _compat.size_hint(t.numel()) * t.element_size()
+    return compat.size_hint(t.numel()) * t.element_size()
 
 
 def _global_shape(val: torch.Tensor) -> tuple:
     """A global value's shape, sizes a guard has fixed as ints (one may be added while this
     very graph is lowered: arithmetic on a constant SymInt would then have no proxy)."""
-    return tuple(map(_compat.fixed_size, val.shape))
+    return tuple(map(compat.fixed_size, val.shape))
 
 
 def _sizes_from(primals: Sequence[torch.Tensor]):
@@ -336,10 +334,10 @@ def _sizes_from(primals: Sequence[torch.Tensor]):
             if isinstance(d, torch.SymInt) and d.node.expr.is_symbol:
                 symbols.setdefault(d.node.expr, d)
     if not symbols:  # sizes a guard fixed are numbers from here on
-        return lambda value: pytree.tree_map_only(torch.SymInt, _compat.fixed_size, value)
+        return lambda value: pytree.tree_map_only(torch.SymInt, compat.fixed_size, value)
 
     def rebuild(v):
-        v = _compat.fixed_size(v)  # a size a guard fixed: the number
+        v = compat.fixed_size(v)  # a size a guard fixed: the number
         if not isinstance(v, torch.SymInt):
             return v
         expr = v.node.expr
@@ -355,8 +353,8 @@ def _laid_out(out: torch.Tensor, val: torch.Tensor, placements: Placements,
     """A forward output's local value in the layout the runtime declares for it (dense, in the
     dim order of the GLOBAL value the program traced: ``layout.output_strides``); a copy only
     where lowering produced another layout (a gathered value is contiguous)."""
-    want, _ = layout.output_strides(tuple(map(_compat.fixed_size, val.shape)),
-                                    tuple(map(_compat.fixed_size, val.stride())),
+    want, _ = layout.output_strides(tuple(map(compat.fixed_size, val.shape)),
+                                    tuple(map(compat.fixed_size, val.stride())),
                                     placements, mesh_shape, coord)
     if layout.same_layout(tuple(out.shape), out.stride(), want):
         return out

@@ -41,8 +41,8 @@ from typing import Callable, Sequence
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .sharding.placements import (Placements, is_split, is_strided, local_shape, shard_range,
-                                  split_factor)
+from .core.placements import (Placements, is_split, is_strided, local_shape, shard_range,
+                              split_factor)
 
 c10d = torch.ops._c10d_functional
 

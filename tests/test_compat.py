@@ -5,37 +5,38 @@ import contextlib
 import pytest
 import torch
 
-from dynamo_dist import _compat
+from dynamo_dist import patches
+from inductor_passes.core import compat, inductor_fix
 
 
 def test_checked_versions_cover_installed_torch():
     major_minor = ".".join(torch.__version__.split(".")[:2])
-    assert major_minor in _compat.TORCH_CHECKED
+    assert major_minor in compat.TORCH_CHECKED
 
 
 def test_dtensor_strategy_registry_enumerates(fake_mesh):
     from torch.distributed.tensor.placement_types import Shard
 
     mesh = fake_mesh((2,), ("tp",))
-    meta = _compat.TensorMeta(torch.Size([4, 6]), (6, 1), torch.float32)
-    spec = _compat.DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
-    schema = _compat.OpSchema(torch.ops.aten.permute.default, (spec, [1, 0]), {})
-    out = _compat.TensorMeta(torch.Size([6, 4]), (1, 6), torch.float32)
-    strategy = _compat.dtensor_op_strategy(schema, out)
-    assert isinstance(strategy, _compat.OpStrategy) and len(strategy.strategies) >= 1
+    meta = compat.TensorMeta(torch.Size([4, 6]), (6, 1), torch.float32)
+    spec = compat.DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+    schema = compat.OpSchema(torch.ops.aten.permute.default, (spec, [1, 0]), {})
+    out = compat.TensorMeta(torch.Size([6, 4]), (1, 6), torch.float32)
+    strategy = compat.dtensor_op_strategy(schema, out)
+    assert isinstance(strategy, compat.OpStrategy) and len(strategy.strategies) >= 1
 
 
 def test_dynamo_and_dtensor_hooks_we_patch_exist():
     from torch._dynamo.callback import callback_handler
 
     assert isinstance(callback_handler.end_callbacks, list)
-    handlers = _compat._dtensor_dispatcher()._custom_op_handlers
+    handlers = patches._dtensor_dispatcher()._custom_op_handlers
     assert torch.ops.aten.convolution.default in handlers
-    _compat._clear_dtensor_sharding_caches()  # callable on this torch
-    _compat.install_dynamo_tracing_fallback()
+    patches._clear_dtensor_sharding_caches()  # callable on this torch
+    patches.install_dynamo_tracing_fallback()
     wrapped = handlers[torch.ops.aten.convolution.default]
     assert hasattr(wrapped, "_dynamo_dist_original")  # installed once, not stacked
-    _compat.install_dynamo_tracing_fallback()
+    patches.install_dynamo_tracing_fallback()
     assert handlers[torch.ops.aten.convolution.default] is wrapped
 
 
@@ -47,19 +48,19 @@ def test_dynamo_bookkeeping_read_by_explain():
         return x + 1
 
     torch.compile(f, backend="eager")(torch.ones(2))
-    reasons = _compat.graph_break_reasons()
+    reasons = compat.graph_break_reasons()
     assert reasons and hasattr(reasons[0], "reason") and hasattr(reasons[0], "user_stack")
-    metrics = _compat.compilation_metrics()
+    metrics = compat.compilation_metrics()
     assert metrics and hasattr(metrics[-1], "co_name") and hasattr(metrics[-1], "recompile_reason")
-    _compat.raise_compilation_metrics_limit()
-    assert _compat.current_compile_id() is None  # outside a compile
+    compat.raise_compilation_metrics_limit()
+    assert compat.current_compile_id() is None  # outside a compile
 
 
 def test_metadata_patches_installed():
-    assert _compat.install_dead_mesh_lookup_removal()  # idempotent: True on 2.13
+    assert patches.install_dead_mesh_lookup_removal()  # idempotent: True on 2.13
     from torch.distributed.distributed_c10d import _get_default_store
 
-    assert _compat.default_store.__doc__ and callable(_get_default_store)
+    assert compat.default_store.__doc__ and callable(_get_default_store)
 
 
 def test_inductor_bucketing_and_partitioner_hooks():
@@ -71,21 +72,21 @@ def test_inductor_bucketing_and_partitioner_hooks():
     import torch.fx as fx
 
     cap = functools.partial(lambda mb, i: mb, 25.0)
-    entries = _compat.bucketing_config(cap)
+    entries = compat.bucketing_config(cap)
     assert entries["bucket_all_gathers_fx"] == "all" and entries["bucket_reduce_scatters_fx"] == "all"
-    with _compat.inductor_config_patch(entries):
+    with compat.inductor_config_patch(entries):
         from torch._inductor import config
 
         assert config.bucket_all_gathers_fx_bucket_size_determinator is cap
-    assert _compat.predict_buckets(fx.symbolic_trace(torch.nn.Linear(2, 2)), cap) == {
+    assert compat.predict_buckets(fx.symbolic_trace(torch.nn.Linear(2, 2)), cap) == {
         "all_gather": [], "reduce_scatter": [], "all_reduce": []}
-    with _compat.functorch_config_patch(cse=False):
+    with compat.functorch_config_patch(cse=False):
         from torch._functorch import config as fconfig
 
         assert fconfig.cse is False
     import inspect
 
-    params = inspect.signature(_compat.min_cut_rematerialization_partition).parameters
+    params = inspect.signature(compat.min_cut_rematerialization_partition).parameters
     assert "num_fwd_outputs" in params and params["num_fwd_outputs"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
@@ -108,10 +109,10 @@ def test_inductor_reads_an_in_place_draw_after_it_is_made():
 
     from inductor_passes.compile import compile_joint
 
-    assert _compat.install_inductor_mutation_order_fix()
+    assert inductor_fix.install_inductor_mutation_order_fix()
     assert getattr(SchedulerNode.recompute_size_and_body, "_dynamo_dist_patch", False)
     x, w = torch.randn(2, 16, 64), torch.randn(64)
-    gm = _compat.make_fx(_norm_then_dropout_mask, tracing_mode="fake")(x, w)
+    gm = compat.make_fx(_norm_then_dropout_mask, tracing_mode="fake")(x, w)
     with torch._inductor.config.patch(force_disable_caches=True):  # compile, don't look it up
         compiled = compile_joint(gm, num_fwd_outputs=2, has_backward=False, inductor=True)
     torch.manual_seed(0)
@@ -189,10 +190,10 @@ def test_nested_compile_regions_inlined_on_a_copy():
 
     before = calls(gm)
     assert before >= 2
-    flat = _compat.inline_nested_compile_regions(gm)
+    flat = compat.inline_nested_compile_regions(gm)
     assert calls(flat) == 0 and calls(gm) == before
     torch.testing.assert_close(flat(x)[0], outer(outer(x)))
-    assert _compat.inline_nested_compile_regions(flat) is flat  # nothing to do
+    assert compat.inline_nested_compile_regions(flat) is flat  # nothing to do
 
 
 def test_size_hint_reads_a_symbolic_size_without_guarding():
@@ -202,16 +203,15 @@ def test_size_hint_reads_a_symbolic_size_without_guarding():
     env = ShapeEnv()  # a length as the partitioner's saved RNG state has one
     n = env.create_symintnode(env.create_symbol(5056, ConstantSource("n")), hint=5056)
     assert isinstance(n, torch.SymInt)
-    assert _compat.size_hint(n * 2) == 10112 and _compat.size_hint(7) == 7
+    assert compat.size_hint(n * 2) == 10112 and compat.size_hint(7) == 7
     assert not env.guards  # an estimate, not a specialisation
 
 
 def _symbolic_fakes(*shapes):
     """Fakes of ``shapes`` with every size symbolic (one ShapeEnv), as Dynamo makes them."""
-    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
-                                                       StatelessSymbolicContext)
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    mode = _compat.FakeTensorMode(shape_env=ShapeEnv())
+    mode = compat.FakeTensorMode(shape_env=ShapeEnv())
     return mode, [mode.from_tensor(torch.randn(s), symbolic_context=StatelessSymbolicContext(
         dynamic_sizes=[DimDynamic.DYNAMIC] * len(s))) for s in shapes]
 
@@ -225,7 +225,7 @@ def test_baddbmm_on_symbolic_sizes_needs_its_input_expanded():
         k = torch.empty_strided((x.shape[0], 16, x.shape[2]), (16 * x.shape[2], 1, 16))
         with pytest.raises(RuntimeError, match="concrete integers"):
             torch.baddbmm(x, q, k, beta=1.0, alpha=0.25)
-        args, kwargs = _compat.baddbmm_self_expanded((x, q, k), {"beta": 1.0, "alpha": 0.25})
+        args, kwargs = compat.baddbmm_self_expanded((x, q, k), {"beta": 1.0, "alpha": 0.25})
         out = torch.baddbmm(*args, **kwargs)
     assert tuple(out.shape) == (x.shape[0], x.shape[2], x.shape[2])
 
@@ -235,10 +235,10 @@ def test_a_guarded_size_reads_as_its_number():
     then on ``static_size`` reads the number; an unguarded symbolic size reads None."""
     _, (x,) = _symbolic_fakes((6, 4))
     s0, s1 = x.shape
-    assert _compat.static_size(s0) is None and _compat.size_hint(s0) == 6
-    assert _compat.has_symbolic_shape(x)
-    _compat.guard_equal(s0, 6)
-    assert _compat.static_size(s0) == 6 and _compat.static_size(s1) is None
+    assert compat.static_size(s0) is None and compat.size_hint(s0) == 6
+    assert compat.has_symbolic_shape(x)
+    compat.guard_equal(s0, 6)
+    assert compat.static_size(s0) == 6 and compat.static_size(s1) is None
     assert any("6" in str(g.expr) for g in s0.node.shape_env.guards)
 
 
@@ -260,7 +260,7 @@ def test_nary_size_arithmetic_rewritten_as_binary_nodes():
     with pytest.raises(TypeError, match="2 arguments"):
         torch.fx.Interpreter(gm).run(3, 4)
     assert gm(3, 4) == (6, 9)  # generated code: 2 * a and prod + a
-    _compat.binary_size_arithmetic(gm)
+    compat.binary_size_arithmetic(gm)
     assert gm(3, 4) == (24, 28) and gm(5, 1) == (10, 16)
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert all(len(n.args) == 2 and "val" in n.meta for n in calls[:-1]), calls
@@ -271,24 +271,24 @@ def test_python_dispatcher_keeps_a_padded_size_symbolic():
     its input (a guard per size); through the Python dispatcher it traces symbolically. Each
     local program of a symbolic plan is traced so (``lowering``)."""
     for dispatch in (False, True):
-        mode = _compat.fresh_size_env()
-        b, s = _compat.new_size(mode, 4, "b"), _compat.new_size(mode, 16, "s")
+        mode = compat.fresh_size_env()
+        b, s = compat.new_size(mode, 4, "b"), compat.new_size(mode, 16, "s")
         with mode:
             ids = torch.empty(b, s, dtype=torch.long)
-        ctx = _compat.python_dispatcher() if dispatch else contextlib.nullcontext()
+        ctx = compat.python_dispatcher() if dispatch else contextlib.nullcontext()
         with ctx:
-            _compat.make_fx(lambda t: torch.ops.aten.constant_pad_nd(t, [0, 1], -100),
+            compat.make_fx(lambda t: torch.ops.aten.constant_pad_nd(t, [0, 1], -100),
                             tracing_mode="fake")(ids)
-        guards = _compat.size_guards(mode)
+        guards = compat.size_guards(mode)
         assert (guards == []) == dispatch, (dispatch, guards)
 
 
 def test_foreign_fake_mode_is_the_values_own_when_the_context_names_another():
     mode, (x,) = _symbolic_fakes((6, 4))
-    assert _compat.foreign_fake_mode([x, 3]) is mode
-    with _compat.tracing(_compat.TracingContext(mode)):
-        assert _compat.foreign_fake_mode([x]) is None  # the context's own: nothing to do
-    assert _compat.foreign_fake_mode([torch.ones(2)]) is None
+    assert compat.foreign_fake_mode([x, 3]) is mode
+    with compat.tracing(compat.TracingContext(mode)):
+        assert compat.foreign_fake_mode([x]) is None  # the context's own: nothing to do
+    assert compat.foreign_fake_mode([torch.ones(2)]) is None
 
 
 def test_numbers_specialised_from_the_first_compile_with_options():

@@ -6,13 +6,14 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dynamo_dist import _compat, compile_records
+from dynamo_dist import compile_records, patches
+from inductor_passes.core import compat
 
 
 def _setup(fake_mesh):
     mesh = fake_mesh((2,), ("tp",))
-    _compat.allow_implicit_replication(True)
-    _compat.install_dynamo_tracing_fallback()
+    compat.allow_implicit_replication(True)
+    patches.install_dynamo_tracing_fallback()
     w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
     return mesh, w
 
@@ -60,7 +61,7 @@ def test_eager_dtensor_before_compiling_does_not_leak_into_tracing(fake_mesh):
     not be hits while Dynamo traces for dist (they bypassed our tracing propagation: eager
     tensor_split then read tensor data under Dynamo, an internal Dynamo error instead of ours)."""
     mesh = fake_mesh((4,), ("x",))
-    _compat.install_dynamo_tracing_fallback()
+    patches.install_dynamo_tracing_fallback()
     x = distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)])
     idx = distribute_tensor(torch.tensor([1, 3]), mesh, [Replicate()])
     try:
@@ -163,7 +164,7 @@ def test_argmax_over_a_split_dim_with_a_negative_dim(fake_mesh, keepdim):
     rt = SimRuntime()
     mesh = rt.setup({"tp": 2})
     logits = torch.randn(1, 256)  # one sequence: the gather takes its view fast path
-    _compat.install_dynamo_tracing_fallback()  # the fix is installed with it (idempotent)
+    patches.install_dynamo_tracing_fallback()  # the fix is installed with it (idempotent)
     with rt.eager():
         got = distribute_tensor(logits, mesh, [Shard(1)]).argmax(-1, keepdim=keepdim)
         got = global_value(got, rt)

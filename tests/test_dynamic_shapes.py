@@ -18,14 +18,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from test_sharding_properties import OPS, _mesh, _placement
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dynamo_dist import compile_records, with_sharding_constraint
 from dynamo_dist.conformance.simulate import run_spmd
 from dynamo_dist.symbolic import is_symbolic
 from dynamo_dist.testing.zoo.cell import SimRuntime, global_value
-from inductor_passes.sharding.placements import fmt
-from test_sharding_properties import OPS, _mesh, _placement
+from inductor_passes.core.placements import fmt
 
 DIMS = st.sampled_from([2, 3, 4, 5, 6, 8])
 N_EXAMPLES = int(os.environ.get("DYNAMO_DIST_DYNAMIC_EXAMPLES", "40"))

@@ -18,8 +18,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dynamo_dist.conformance.simulate import shard_global, unshard
+from inductor_passes.core.placements import is_placements
 from inductor_passes.sharding import rules
-from inductor_passes.sharding.placements import is_placements
 
 aten = torch.ops.aten
 P, R = Partial("sum"), Replicate()

@@ -1,29 +1,26 @@
-"""The import direction between the packages (issue 16), read from the sources' ASTs: the bottom
-layer (``inductor_passes/core``) imports only the standard library and torch; the graph passes
-import the front end (``dynamo_dist``) only where they still did when this test was written --
-a new such import fails here, and each one moved to the bottom comes off the list."""
+"""The import structure (issue 16), read from the sources' ASTs, function-local imports included:
+the bottom layer (``inductor_passes/core``) imports only the standard library, torch and itself;
+the graph passes never import the front end (``dynamo_dist``); no two project modules import
+each other, directly or around a circle."""
 
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# (module under inductor_passes, dynamo_dist module it imports): to be emptied (issue 16)
-STILL_IMPORTED = {
-    ("comm.py", "dynamo_dist._compat"),
-    ("compile.py", "dynamo_dist._compat"),
-    ("lowering.py", "dynamo_dist._compat"),
-    ("lowering.py", "dynamo_dist.annotations"),
-    ("sharding/placements.py", "dynamo_dist._compat"),
-    ("sharding/solver.py", "dynamo_dist.annotations"),
-    ("sharding/rules/__init__.py", "dynamo_dist._compat"),
-    ("sharding/rules/dtensor.py", "dynamo_dist._compat"),
-    ("sharding/rules/manual.py", "dynamo_dist.annotations"),
-    ("sharding/rules/manual.py", "dynamo_dist.manual"),
-}
+PACKAGES = ("dynamo_dist", "inductor_passes")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(f): f for top in PACKAGES for f in (ROOT / top).rglob("*.py")}
 
 
 def _imports(path: pathlib.Path) -> set[str]:
-    """Absolute names of the project modules ``path`` imports (relative imports resolved)."""
+    """Absolute names ``path`` imports anywhere in it (relative imports resolved), each also
+    with the imported attribute appended (``from a import b`` gives ``a`` and ``a.b``)."""
     package = path.relative_to(ROOT).with_suffix("").parts[:-1]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -37,30 +34,74 @@ def _imports(path: pathlib.Path) -> set[str]:
     return out
 
 
-def _ours(names: set[str], top: str) -> set[str]:
-    return {n for n in names if n == top or n.startswith(top + ".")}
-
-
-def test_the_bottom_layer_imports_only_torch():
-    core = ROOT / "inductor_passes" / "core"
-    files = sorted(core.glob("*.py"))
-    assert {f.name for f in files} >= {"errors.py", "ledger.py", "ops.py"}
-    for f in files:
-        names = _imports(f)
-        assert not _ours(names, "dynamo_dist"), f
-        assert not {n for n in _ours(names, "inductor_passes")
-                    if not n.startswith("inductor_passes.core")}, f
-
-
-def test_graph_passes_import_the_front_end_only_where_they_still_did():
+def _project_modules(names: set[str], me: str) -> set[str]:
+    """The project modules among ``names`` (an attribute import maps to its module), with the
+    packages each one's import runs first (``a.b.c`` runs ``a/b/__init__``), except those that
+    contain ``me`` (already being imported when ``me`` runs)."""
     found = set()
-    for f in sorted((ROOT / "inductor_passes").rglob("*.py")):
-        rel = f.relative_to(ROOT / "inductor_passes").as_posix()
-        for name in _ours(_imports(f), "dynamo_dist"):
-            module = name if name.count(".") == 1 or name == "dynamo_dist" else \
-                ".".join(name.split(".")[:2])
-            found.add((rel, module))
-    # "from dynamo_dist import _compat" reads as the package and the module: keep the module
-    found = {(r, m) for r, m in found if m != "dynamo_dist"}
-    assert found <= STILL_IMPORTED, sorted(found - STILL_IMPORTED)
-    assert STILL_IMPORTED <= found, f"moved, take off the list: {sorted(STILL_IMPORTED - found)}"
+    for name in names:
+        while name and name not in MODULES:
+            name = name.rpartition(".")[0]
+        while name:
+            if name != me and not me.startswith(name + "."):
+                found.add(name)
+            name = name.rpartition(".")[0]
+    return found
+
+
+GRAPH = {m: _project_modules(_imports(f), m) for m, f in MODULES.items()}
+
+
+def test_the_bottom_layer_imports_only_torch_and_itself():
+    core = {m for m in MODULES if m.startswith("inductor_passes.core")}
+    assert {"inductor_passes.core.compat", "inductor_passes.core.placements",
+            "inductor_passes.core.annotation_ops", "inductor_passes.core.roles"} <= core
+    for m in sorted(core):
+        assert GRAPH[m] <= core | {"inductor_passes"}, (m, sorted(GRAPH[m] - core))
+
+
+def test_graph_passes_never_import_the_front_end():
+    found = sorted((m, d) for m, deps in GRAPH.items() if m.startswith("inductor_passes")
+                   for d in deps if d.split(".")[0] == "dynamo_dist")
+    assert not found, found
+
+
+def test_no_import_circle():
+    """Tarjan's strongly connected components over every project import: each must be one
+    module (a package's ``__init__`` importing its own submodules is not a circle)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    assert not circles, circles
+
+
+def test_the_layering_test_sees_an_import():
+    """The reader itself: a known import is found (a broken parser would pass everything)."""
+    assert "inductor_passes.core.compat" in GRAPH["inductor_passes.core.placements"]
+    assert "inductor_passes.core.annotation_ops" in GRAPH["dynamo_dist.annotations"]
+    # importing a module of a package runs the package's __init__ first
+    assert "dynamo_dist.plans" in GRAPH["dynamo_dist.spmd"]
+    assert "dynamo_dist.plans" not in GRAPH["dynamo_dist.plans.apply"]

@@ -22,8 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import dynamo_dist.backend as backend_mod
-from dynamo_dist import _compat
+from dynamo_dist import patches
 from dynamo_dist.mesh import HybridMesh, Mesh
+from inductor_passes.core import compat
 
 ARITH = {operator.add, operator.mul, operator.sub, operator.neg}
 
@@ -482,13 +483,13 @@ def test_support_is_installed_once():
     from torch._library.opaque_object import get_opaque_obj_info
 
     patched = (OutputGraph.remove_unused_graphargs, UserDefinedObjectVariable.var_getattr)
-    assert _compat.install_dead_mesh_lookup_removal()
-    assert _compat.install_process_group_guard()
-    assert _compat.install_metadata_attr_folding()
+    assert patches.install_dead_mesh_lookup_removal()
+    assert patches.install_process_group_guard()
+    assert patches.install_metadata_attr_folding()
     assert (OutputGraph.remove_unused_graphargs, UserDefinedObjectVariable.var_getattr) == patched
     assert all(getattr(fn, "_dynamo_dist_patch", False) for fn in patched)
     info = get_opaque_obj_info(dist.ProcessGroup)
-    assert info.guard_fn is _compat.process_group_guard_values
+    assert info.guard_fn is patches.process_group_guard_values
 
 
 # ---------------------------------------------------------------- DTensor calls
@@ -497,7 +498,7 @@ def test_support_is_installed_once():
 def one_rank(fake_mesh):
     """1-rank world: DTensor values are exact (collectives are identities)."""
     mesh = fake_mesh((1,), ("tp",))
-    _compat.allow_implicit_replication(True)
+    compat.allow_implicit_replication(True)
     return mesh, torch.arange(8.0).reshape(4, 2)
 
 
@@ -505,7 +506,7 @@ def one_rank(fake_mesh):
 def two_ranks(fake_mesh):
     """2-rank world, this process rank 1: shapes and placements (values are garbage)."""
     mesh = fake_mesh((2,), ("tp",), rank=1)
-    _compat.allow_implicit_replication(True)
+    compat.allow_implicit_replication(True)
     return mesh, torch.arange(8.0).reshape(4, 2)
 
 

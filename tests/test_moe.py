@@ -12,9 +12,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dynamo_dist import DistCompileError, compile_records
-from dynamo_dist._compat import StridedShard
 from dynamo_dist.conformance.simulate import run_spmd
 from dynamo_dist.plans import ShardingPlan, shard_module
+from inductor_passes.core.compat import StridedShard
 
 
 def _compile(f, *args):

@@ -4,13 +4,14 @@ written back by the runtime), checked on simulated ranks against one device."""
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from dynamo_dist import _compat, compile_records
+from dynamo_dist import compile_records
 from dynamo_dist.conformance.simulate import run_spmd
+from inductor_passes.core import compat
 
 
 def test_buffer_update_matches_one_device(fake_mesh):
     mesh = fake_mesh((2,), ("tp",))
-    _compat.allow_implicit_replication(True)
+    compat.allow_implicit_replication(True)
     w_full, buf_full, x = torch.randn(8, 4), torch.randn(8), torch.randn(3, 4)
     w = torch.nn.Parameter(distribute_tensor(w_full, mesh, [Shard(0)]))
     buf = distribute_tensor(buf_full.clone(), mesh, [Shard(0)])
@@ -51,7 +52,7 @@ def test_out_argument_into_a_buffer(fake_mesh):
     """``torch.mm(a, b, out=buf)``: the out= overload is not decomposed; functionalisation turns
     it into a new value written back into ``buf``."""
     mesh = fake_mesh((2,), ("tp",))
-    _compat.allow_implicit_replication(True)
+    compat.allow_implicit_replication(True)
     a, b = torch.randn(4, 6), torch.randn(6, 4)
 
     def f(a, b, buf):

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 from dynamo_dist import compile_records, mark_sharding, with_sharding_constraint
 from dynamo_dist.conformance.simulate import run_spmd
-from inductor_passes.sharding.placements import local_shape, plannable, valid_for
+from inductor_passes.core.placements import local_shape, plannable, valid_for
 from tests.test_strided import _check_redistribute, _redistribute_on_ranks
 
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial("sum")

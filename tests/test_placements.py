@@ -1,11 +1,11 @@
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from dynamo_dist._compat import StridedShard
-
+from inductor_passes.core.compat import StridedShard
+from inductor_passes.core.placements import fmt, local_shape, parse, shard_range, valid_for
 from inductor_passes.sharding.cost import redistribute_cost
-from inductor_passes.sharding.placements import fmt, local_shape, parse, shard_range, valid_for
 
 placement = st.one_of(st.just(Replicate()), st.integers(0, 3).map(Shard),
                       st.sampled_from(["sum", "avg", "max", "min"]).map(Partial))

@@ -8,11 +8,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from dynamo_dist._compat import StridedShard
-from inductor_passes.core.errors import DistCompileError
 from dynamo_dist.plans import (DataParallelPlanner, ShardingPlan, TensorParallelPlanner,
                                parameter_groups, shard_module)
 from dynamo_dist.testing.zoo.models import MODELS
+from inductor_passes.core.compat import StridedShard
+from inductor_passes.core.errors import DistCompileError
 
 _HF_ROLE = {"colwise": "column", "rowwise": "row", "packed_colwise": "column"}
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 from dynamo_dist import compile_records, with_sharding_constraint
 from dynamo_dist.conformance.simulate import run_spmd
-from inductor_passes.sharding.placements import fmt
+from inductor_passes.core.placements import fmt
 
 # name: (program of x, y, the value's global shapes from (m, k, n)); every program's output
 # is a function of both inputs, so both get a gradient

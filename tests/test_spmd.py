@@ -9,11 +9,10 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import dynamo_dist
-from dynamo_dist import (DistCompileError, HybridMesh, Mesh, enable_manual_sharding,
-                         get_1d_mesh, get_global_mesh, mark_sharding,
-                         partition_spec_to_placements, placements_to_partition_spec,
-                         set_global_mesh)
-from dynamo_dist.annotations import CONSTRAINT_OP, ENTER_OP, EXIT_OP, gradient_spec
+from dynamo_dist import (DistCompileError, HybridMesh, Mesh, enable_manual_sharding, get_1d_mesh,
+                         get_global_mesh, mark_sharding, partition_spec_to_placements,
+                         placements_to_partition_spec, set_global_mesh)
+from inductor_passes.core.annotation_ops import CONSTRAINT_OP, ENTER_OP, EXIT_OP, gradient_spec
 from inductor_passes.sharding.cost import redistribute_cost
 
 
@@ -83,9 +82,8 @@ def test_hybrid_mesh_keeps_collectives_off_the_slow_axis(fake_mesh):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.sampled_from([None, "dp", "tp", ("dp", "tp")]), min_size=1, max_size=3))
 def test_partition_spec_round_trip(spec):
-    from torch.distributed.device_mesh import DeviceMesh
-
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if not dist.is_initialized():
@@ -188,7 +186,7 @@ def test_manual_region_is_planned_local_and_replicated(fake_mesh):
 
 def test_gradient_spec_at_region_boundaries(fake_mesh):
     dm = fake_mesh((2, 2), ("dp", "tp"))
-    from dynamo_dist.annotations import decode_spec, encode_spec
+    from inductor_passes.core.annotation_ops import decode_spec, encode_spec
 
     spec = encode_spec(dm, (Shard(1), Replicate()))
     assert decode_spec(gradient_spec(spec, entering=True))[1] == (Shard(1), Partial("sum"))

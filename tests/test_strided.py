@@ -6,18 +6,19 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dynamo_dist import compile_records
-from dynamo_dist._compat import StridedShard
 from dynamo_dist.conformance.simulate import run_spmd, shard_global, unshard
 from dynamo_dist.simulate import Groups, coordinates, run_lockstep
+from inductor_passes.core.compat import StridedShard
+from inductor_passes.core.placements import fmt, local_shape, plannable, valid_for
 from inductor_passes.redistribute import mesh_axes, redistribute
 from inductor_passes.sharding import rules
 from inductor_passes.sharding.cost import redistribute_cost
-from inductor_passes.sharding.placements import fmt, local_shape, plannable, valid_for
 
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial("sum")
 

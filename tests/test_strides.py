@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dynamo_dist import _compat, compile_records
+from dynamo_dist import compile_records
 from dynamo_dist.plans import DataParallelPlanner, shard_module
+from inductor_passes.core import compat
 from inductor_passes.layout import dense_strides, dim_order
 
 
@@ -25,7 +26,7 @@ def full(t):
 @pytest.fixture
 def one_rank(fake_mesh):
     """A 1-rank mesh: every collective is the identity, so values are real under Inductor."""
-    _compat.allow_implicit_replication(True)
+    compat.allow_implicit_replication(True)
     return fake_mesh((1,), ("dp",))
 
 

@@ -1,6 +1,6 @@
 """A whole training step -- forward, ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()`` --
 in one compiled function is one planned program (Dynamo's ``trace_autograd_ops`` and
-``_compat.install_whole_step``), on simulated ranks against one process.
+``patches.install_whole_step``), on simulated ranks against one process.
 
 Each case checks the parameters after every one of 5 steps against eager one-process training,
 that the step compiled to one program with its backward and update inside (the parameters and
@@ -11,12 +11,11 @@ import copy
 
 import pytest
 import torch
+from test_training_loops import TinyLM, _ids
 
 from dynamo_dist import compile_records
 from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
 from dynamo_dist.testing.zoo.cell import SimRuntime, global_value
-
-from test_training_loops import TinyLM, _ids
 
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),                 # foreach (the default)

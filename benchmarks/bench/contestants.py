@@ -68,17 +68,17 @@ class Contestant:
     @contextlib.contextmanager
     def env(self):
         """DTensor implicit replication as this contestant needs it, and its Inductor cache."""
-        from dynamo_dist import _compat
+        from inductor_passes.core import compat
 
-        old_flag = _compat.implicit_replication_enabled()
+        old_flag = compat.implicit_replication_enabled()
         old_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        _compat.allow_implicit_replication(self.implicit_replication)
+        compat.allow_implicit_replication(self.implicit_replication)
         if self.cache_dir:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.cache_dir
         try:
             yield
         finally:
-            _compat.allow_implicit_replication(old_flag)
+            compat.allow_implicit_replication(old_flag)
             if old_dir is None:
                 os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
             else:

@@ -17,6 +17,9 @@ import os
 import sys
 import time
 
+from .harness import Case, cases_for, inplace_cases_for, run_case
+from .report import write_report
+
 FAST_OPS = ("add", "mul", "div", "sum", "mean", "amax", "mm", "matmul", "nn.functional.linear",
             "softmax", "log_softmax", "nn.functional.gelu", "nn.functional.layer_norm",
             "transpose", "reshape", "view", "permute", "cat", "where", "exp", "nn.functional.embedding",
@@ -54,7 +57,6 @@ def main(argv=None) -> int:
     import torch
     from torch.testing._internal.common_methods_invocations import op_db
 
-    from .report import write_report
 
     logging.getLogger("dynamo_dist").setLevel(logging.ERROR)
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
@@ -79,7 +81,6 @@ def _run_meshes_in_parallel(args, argv):
     import subprocess
     import tempfile
 
-    from .harness import Case
 
     argv = list(argv if argv is not None else sys.argv[1:])
     procs, paths = [], []
@@ -100,8 +101,6 @@ def _run_meshes_in_parallel(args, argv):
 
 
 def _run(args, ops):
-    from .harness import cases_for, inplace_cases_for, run_case
-
     results = []
     t0 = time.time()
     for mesh_text in args.meshes.split(","):

@@ -26,6 +26,11 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from dynamo_dist import clear_compile_records, compile_records
+from dynamo_dist.backend import dist_backend
+from inductor_passes.core import compat
+from inductor_passes.core.errors import DistCompileError
+from inductor_passes.core.placements import fmt, parse
 from inductor_passes.redistribute import local_coordinate
 
 from .simulate import ReplicaMismatch, coordinates, run_spmd, shard_global
@@ -47,16 +52,12 @@ class Case:
     detail: str = ""
 
     def to_json(self) -> dict:
-        from inductor_passes.sharding.placements import fmt
-
         d = dataclasses.asdict(self)
         d["placements"] = [fmt(p) for p in self.placements]
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "Case":
-        from inductor_passes.sharding.placements import parse
-
         d = dict(d)
         d["placements"] = tuple(parse(p) for p in d["placements"])
         d["mesh"], d["shapes"] = tuple(d["mesh"]), tuple(tuple(s) for s in d["shapes"])
@@ -123,8 +124,6 @@ def _as_dtensor(x: torch.Tensor, mesh, pls) -> torch.Tensor:
 
 
 def _unwrap_error(exc: BaseException) -> BaseException:
-    from inductor_passes.core.errors import DistCompileError
-
     seen = exc
     while seen is not None:
         if isinstance(seen, DistCompileError):
@@ -148,9 +147,6 @@ def _close(a, b) -> bool:
 def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh,
              op_name: str = "") -> tuple[str, str, str]:
     """(forward outcome, backward outcome or "", detail) for one case."""
-    from dynamo_dist import clear_compile_records, compile_records
-    from inductor_passes.core.errors import DistCompileError
-
     grad_inputs = [k for k, t in enumerate(tensors) if t.requires_grad]
     before = [t.detach().clone() for t in tensors]  # the reference may update inputs in place
     ref_out = op_fn(*tensors)
@@ -170,13 +166,12 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh,
               for b, t, pls in zip(before, tensors, placements)]
     names = [f"a{k}" for k in range(len(inputs))]
     fn = _positional(getattr(op_fn, "traceable", op_fn), names)
-    from dynamo_dist import _compat
 
-    implicit = _compat.implicit_replication_enabled()
+    implicit = compat.implicit_replication_enabled()
     try:
         # plain tensors are global values in our semantics (shard_module turns this on; here,
         # for the compile only, so the DTensor peer below runs as stock DTensor)
-        _compat.allow_implicit_replication(True)
+        compat.allow_implicit_replication(True)
         torch.compile(fn, backend=_compile_only, fullgraph=True)(*inputs)
     except _Compiled:
         pass
@@ -193,7 +188,7 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh,
                 _short(exc)
         return "crash", "", _short(exc)
     finally:
-        _compat.allow_implicit_replication(implicit)
+        compat.allow_implicit_replication(implicit)
     records = compile_records()
     if len(records) != 1:
         return "break", "", f"{len(records)} graphs reached the backend"
@@ -271,14 +266,12 @@ def _stock_dynamo_fails(fn, tensors) -> bool:
 def _one_device(record, args, tangents, order, grad_inputs):
     """(user outputs, new values of updated inputs, input gradients) of the compiled global
     program run on one device, seeded as the simulated ranks were."""
-    from dynamo_dist import _compat
-
     program = record.program
     # decomposed as lowering decomposes the local graphs (a fused random op and its
     # decomposition draw different numbers)
     with torch.no_grad():
-        one = _compat.make_fx(lambda *a: torch.fx.Interpreter(program.graph_module).run(*a),
-                              decomposition_table=_compat.select_decomp_table(),
+        one = compat.make_fx(lambda *a: torch.fx.Interpreter(program.graph_module).run(*a),
+                              decomposition_table=compat.select_decomp_table(),
                               tracing_mode="fake")(*args, *tangents)
         torch.manual_seed(42)
         res = one(*args, *tangents)
@@ -294,8 +287,6 @@ class _Compiled(Exception):
 
 
 def _compile_only(gm, example_inputs):
-    from dynamo_dist.backend import dist_backend
-
     dist_backend(gm, example_inputs, {"inductor": False})
 
     def stop(*args):

@@ -8,6 +8,8 @@ from typing import Sequence
 
 import torch
 
+from inductor_passes.core.placements import fmt
+
 from .harness import Case
 
 GOOD = ("pass", "fallback")
@@ -110,6 +112,4 @@ def write_report(results: Sequence[Case], path: str, command: str) -> str:
 
 
 def _pl(c: Case) -> str:
-    from inductor_passes.sharding.placements import fmt
-
     return " ".join(fmt(p) for p in c.placements)

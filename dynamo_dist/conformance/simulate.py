@@ -11,9 +11,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Shard
 
+from dynamo_dist.symbolic import LocalSizes, fix_guarded_sizes, is_symbolic
+from inductor_passes.core.placements import (Placements, is_placements, is_strided, shard_range,
+                                             split_factor)
 from inductor_passes.lowering import lower
-from inductor_passes.sharding.placements import (Placements, is_placements, is_strided,
-                                                 shard_range, split_factor)
 
 from ..simulate import Groups, coordinates, run_lockstep
 
@@ -112,7 +113,6 @@ def run_spmd(record, args: Sequence[torch.Tensor], tangents: Sequence[torch.Tens
     """
     program, plan = record.program, record.plan
     mesh_shape = tuple(mesh.shape)
-    from dynamo_dist.symbolic import LocalSizes, fix_guarded_sizes, is_symbolic
 
     fix_guarded_sizes(program.graph_module)  # sizes a guard fixed since the program was made
     gm = program.graph_module

@@ -7,10 +7,10 @@ parameters become DTensors, inputs get sharding constraints. The compiler then p
 value of the program.
 """
 
+from ..annotations import validate_placements
 from .apply import parameter_groups, shard_module
 from .data_parallel import DataParallelPlanner
-from .spec import (ParamDecision, PartitionSpec, ShardingPlan, format_decisions, to_placements,
-                   validate_placements)
+from .spec import ParamDecision, PartitionSpec, ShardingPlan, format_decisions, to_placements
 from .tensor_parallel import ShardingPlanner, TensorParallelPlanner
 
 __all__ = ["DataParallelPlanner", "ParamDecision", "PartitionSpec", "ShardingPlan",

@@ -15,11 +15,13 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
-from inductor_passes.sharding.placements import is_strided
-
-from .. import _compat
+from dynamo_dist import patches
+from inductor_passes.core import compat
 from inductor_passes.core.errors import DistCompileError, describe_mesh
-from .spec import ShardingPlan, to_placements, validate_placements
+from inductor_passes.core.placements import is_strided
+
+from ..annotations import register_data_axes, validate_placements, with_sharding_constraint
+from .spec import ShardingPlan, to_placements
 
 log = logging.getLogger("dynamo_dist")
 
@@ -119,16 +121,14 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
     parameter, an input key forward does not take, or a tied parameter whose names the plan
     gives different placements.
     """
-    from ..annotations import register_data_axes
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard_module: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}; fix: wrap the function in an nn.Module, or "
                         f"annotate its tensors with mark_sharding / distribute_tensor")
     check_plan_keys(model, plan)
     check_input_keys(model, plan)
-    _compat.allow_implicit_replication(True)
-    _compat.install_dynamo_tracing_fallback()
+    compat.allow_implicit_replication(True)
+    patches.install_dynamo_tracing_fallback()
     for param, names in parameter_groups(model):
         placements = _spec_for(plan, names, mesh, param.ndim) or \
             tuple(Replicate() for _ in range(mesh.ndim))
@@ -173,8 +173,6 @@ def _constrained_forward(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan)
     """``model.forward`` wrapped so that each call pins the inputs ``plan.input_plan`` names (a
     wrapper, not forward hooks: with hooks Dynamo compiles the hook and the forward as separate
     graphs) and applies ``plan.output_plan``."""
-    from ..annotations import with_sharding_constraint
-
     specs, inner = dict(plan.input_plan), model.forward
     wildcard = specs.pop("*", None)
     try:

@@ -10,9 +10,9 @@ from typing import Any, Mapping
 import torch.nn as nn
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from .apply import parameter_groups
-from inductor_passes.sharding.placements import is_split
+from inductor_passes.core.placements import is_split
 
+from .apply import parameter_groups
 from .spec import ParamDecision, ShardingPlan
 from .tensor_parallel import ShardingPlanner, _log_summary
 

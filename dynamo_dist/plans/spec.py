@@ -17,9 +17,8 @@ from typing import Any, Mapping, Sequence
 from torch.distributed.tensor import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from inductor_passes.sharding.placements import fmt, is_strided
-
 from inductor_passes.core.errors import DistCompileError, describe_mesh
+from inductor_passes.core.placements import fmt, is_strided
 
 
 class PartitionSpec(tuple):
@@ -112,76 +111,6 @@ def to_placements(spec: Any, mesh: DeviceMesh, ndim: int, what: str) -> tuple[Pl
 
 
 # the pending reductions lowering completes exactly (a product would need x ** (1 / n) pieces)
-PARTIAL_OPS = ("sum", "avg", "max", "min")
-
-
-def validate_placements(what: str, shape: Sequence[int], mesh: DeviceMesh,
-                        placements: Sequence[Placement], source: str | None = None) -> None:
-    """Raise DistCompileError unless ``placements`` can apply to a tensor of GLOBAL ``shape``
-    (``source``: the user's line, for a pin inside a compiled program)."""
-    def fail(why: str, fix: str):
-        raise DistCompileError(f"{what}: {why}", source=source, shapes=[shape],
-                               mesh=describe_mesh(mesh), placements=list(placements), fix=fix)
-
-    if len(placements) != mesh.ndim:
-        fail(f"{len(placements)} placements for a {mesh.ndim}-axis mesh",
-             "give one placement per mesh axis")
-    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
-            if not -len(shape) <= p.dim < len(shape):
-                fail(f"Shard({p.dim}) on mesh axis '{names[axis]}' but the tensor has "
-                     f"{len(shape)} dims",
-                     f"use Shard(d) with 0 <= d < {len(shape)}, or Replicate()")
-        elif is_strided(p):
-            k, n = p.split_factor, mesh.size(axis)
-            if not -len(shape) <= p.dim < len(shape):
-                fail(f"{p!r} on mesh axis '{names[axis]}' but the tensor has {len(shape)} dims",
-                     f"use a dim d with 0 <= d < {len(shape)}")
-            elif not isinstance(k, int) or k < 1 or shape[p.dim] % (k * n):
-                fail(f"{p!r} on mesh axis '{names[axis]}' (size {n}): dim {p.dim} of size "
-                     f"{shape[p.dim]} is not {k} blocks each split evenly in {n}",
-                     f"use a split_factor k (the number of fused parts) with k x {n} dividing "
-                     f"{shape[p.dim]}, or Shard({p.dim})")
-        elif isinstance(p, Partial):
-            if p.reduce_op not in PARTIAL_OPS:
-                fail(f"Partial({p.reduce_op!r}) on mesh axis '{names[axis]}': only pending "
-                     f"{', '.join(PARTIAL_OPS)} reductions are planned",
-                     f"use Partial() (a pending sum) or one of {list(PARTIAL_OPS)}, or reduce "
-                     f"before pinning (Replicate())")
-        elif not isinstance(p, Replicate):
-            fail(f"unsupported placement {p!r}",
-                 "use Shard(d), _StridedShard(d, split_factor=k), Replicate() or Partial()")
-
-
-def _split_axes_by_dim(shape: Sequence[int],
-                       placements: Sequence[Placement]) -> dict[int, list[int]]:
-    """Tensor dim -> the mesh axes that split it (Shard or _StridedShard), in mesh-axis order."""
-    by_dim: dict[int, list[int]] = {}
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard) or is_strided(p):
-            by_dim.setdefault(p.dim % max(len(shape), 1), []).append(axis)
-    return by_dim
-
-
-def refuse_strided_nesting(what: str, shape: Sequence[int], mesh: DeviceMesh,
-                           placements: Sequence[Placement], source: str | None = None) -> None:
-    """Raise DistCompileError when a tensor dim is split by two mesh axes and one of them is a
-    _StridedShard (DTensor's right-to-left FSDP2-over-TP layout): a value pinned inside the
-    program must be one the compiler lowers exactly, and nested strided splits are not (a
-    parameter in that layout is fine: DTensor regathers it at the program boundary)."""
-    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
-    for dim, axes in _split_axes_by_dim(shape, placements).items():
-        if len(axes) > 1 and any(is_strided(placements[a]) for a in axes):
-            raise DistCompileError(
-                f"{what}: tensor dim {dim} is split by mesh axes "
-                f"{', '.join(repr(names[a]) for a in axes)} and one of them is block-strided "
-                f"(_StridedShard); nested splits of a dim are not planned", source=source,
-                shapes=[shape], mesh=describe_mesh(mesh), placements=list(placements),
-                fix="split that dim on one mesh axis only (another dim on the other), or pin "
-                    "Replicate on one of them")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShardingPlan:
     """Placements for a module's parameters, inputs and outputs.

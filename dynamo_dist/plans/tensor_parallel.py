@@ -10,7 +10,7 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from inductor_passes.sharding.placements import is_split, split_factor, strided
+from inductor_passes.core.placements import is_split, split_factor, strided
 
 from .apply import parameter_groups
 from .dataflow import Dataflow, Projection, example_inputs, trace_projections

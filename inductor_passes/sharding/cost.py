@@ -18,7 +18,8 @@ from typing import Sequence
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from .placements import Placements, is_placements, is_split, local_shape, nbytes
+from ..core.nodes import tensor_args
+from ..core.placements import Placements, is_placements, is_split, local_shape, nbytes
 
 LATENCY_BYTES = 64 * 1024
 # A free local re-slice still changes the value; ties are broken towards fewer changes.
@@ -154,8 +155,6 @@ def node_compute_cost(node, output, mesh_shape: Sequence[int]) -> float:
 
 
 def _first_tensor(node):
-    from .rules.base import tensor_args
-
     return tensor_args(node)[0].meta["val"]
 
 

@@ -21,11 +21,13 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial
 
+from ..core import roles
 from ..core.errors import user_source
+from ..core.placements import (Placements, fmt, is_placements, is_split, nbytes, nonpartial,
+                               replicate, returnable, strided_factors)
 from .cost import axis_weights, redistribute_cost
-from .placements import (Placements, fmt, is_placements, is_split, nbytes, nonpartial, replicate,
-                         returnable, strided_factors)
 from .rules import GETITEM, OpSpec, Strided, node_cost, op_strategy, replicated_spec, tensor_args
+from .solver import ShardingILP, program_factors
 
 log = logging.getLogger("dynamo_dist.sharding")
 
@@ -68,24 +70,6 @@ class Plan:
             lines.append(f"{p.name:<28} {p.op:<40} {ins:<30} -> {out:<14} "
                          f"[{p.source}; cost {p.cost:.0f}] {p.origin}")
         return "\n".join(lines)
-
-
-# node.meta["custom"] key marking the gradient seed of a backward traced inside the program
-# (``loss.backward()`` in a compiled training step): a tangent made in the graph, not passed in
-BACKWARD_SEED = "dynamo_dist_backward_seed"
-
-
-def tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes that depend on any tangent placeholder or in-graph gradient seed: the backward
-    part of a joint graph."""
-    bwd: set[fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "placeholder" and node.name.startswith("tangents") or \
-                (node.meta.get("custom") or {}).get(BACKWARD_SEED):
-            bwd.add(node)
-        elif any(a in bwd for a in node.all_input_nodes):
-            bwd.add(node)
-    return bwd
 
 
 def propagate(*args, **kwargs) -> Plan:
@@ -228,8 +212,6 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
                constraint_of, origins, data_axes, time_limit, base=None,
                free_axis=None, memo: _Memo | None = None,
                max_vars: int = AXIS_MAX_VARS) -> Plan | None:
-    from .solver import ShardingILP
-
     mesh_shape = tuple(mesh.shape)
     memo = memo or _Memo(EdgePricer(gm, mesh, origins, data_axes))
     price, edges = memo.price, memo.edges
@@ -243,7 +225,7 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
             cost = edges[key] = price(u, o, r)
         return cost
 
-    bwd, data_idx = tangent_dependent(gm.graph), _data_idx(mesh, data_axes)
+    bwd, data_idx = roles.tangent_dependent(gm.graph), _data_idx(mesh, data_axes)
     ilp = ShardingILP(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
                       grad_placements, constraint_of, edge_cost, base=base, free_axis=free_axis,
                       keep=lambda n, sp: data_parallel_ok(n, sp, bwd, data_idx),
@@ -256,7 +238,7 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
     for k, node in enumerate(ilp.primals):
         spec = sol.chosen[node]
         nodes[node.name] = NodePlan(node.name, "input", (), spec.output, "input", 0.0, 1,
-                                    origins[k] if k < len(origins) else "input")
+                                    str(origins[k]) if k < len(origins) else "input")
     env = {n: spec.output for n, spec in sol.chosen.items()}
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node in ilp.primals:
@@ -311,12 +293,10 @@ class _Walk:
         self.grad_placements = grad_placements
         self.constraint_of = constraint_of
         self.origins = origins
-        self.bwd = tangent_dependent(gm.graph)
+        self.bwd = roles.tangent_dependent(gm.graph)
         self.price = EdgePricer(gm, mesh, origins, data_axes, greedy=True)
         self.data_idx = _data_idx(mesh, data_axes)
         self.strategies: dict[tuple, list[OpSpec]] = {}
-        from .solver import program_factors
-
         self.program_factors = program_factors(gm, primal_placements, constraint_of)
 
     def _specs(self, node, current) -> list[OpSpec]:
@@ -341,8 +321,8 @@ class _Walk:
         fallbacks: list[str] = []
         total = 0.0
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
-        primals = [n for n in placeholders if n.name.startswith("primals")]
-        tangents = [n for n in placeholders if n.name.startswith("tangents")]
+        primals = [n for n in placeholders if roles.is_primal(n)]
+        tangents = [n for n in placeholders if roles.is_tangent(n)]
         output_node = next(iter(gm.graph.find_nodes(op="output")))
         outs = list(output_node.args[0])
 
@@ -357,7 +337,7 @@ class _Walk:
 
         for k, (node, pl) in enumerate(zip(primals, self.primal_placements)):
             env[node] = pl
-            origin = self.origins[k] if k < len(self.origins) else "input"
+            origin = str(self.origins[k]) if k < len(self.origins) else "input"
             nodes[node.name] = NodePlan(node.name, "input", (), pl, "input", 0.0, 1, origin)
 
         def visit(node: fx.Node) -> None:
@@ -519,8 +499,8 @@ def parameter_views(gm: fx.GraphModule, origins, priced_axes: tuple[int, ...]
                     ) -> dict[fx.Node, tuple[int, ...]]:
     """Parameter inputs (DTensor primals) and views/casts of them -> the mesh axes on which
     gathering them is priced as memory."""
-    primals = [n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
-    found = {n: priced_axes for n, o in zip(primals, origins) if o.startswith("DTensor input")}
+    found = {n: priced_axes for n, o in zip(roles.primals(gm.graph), origins)
+             if o.kind is roles.InputKind.DTENSOR}
     for node in gm.graph.nodes:
         if node.op == "call_function" and str(node.target) in _VIEW_LIKE and \
                 node.args and node.args[0] in found:

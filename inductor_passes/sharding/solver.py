@@ -32,7 +32,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch.fx as fx
 
-from .placements import Placements, is_placements, replicate, returnable, strided_factors
+from ..core import roles
+from ..core.annotation_ops import CONSTRAINT_OP
+from ..core.placements import Placements, is_placements, replicate, returnable, strided_factors
 from .rules import (GETITEM, OpSpec, Strided, has_node_cost, node_cost, op_strategy,
                     replicated_spec, tensor_args)
 from .rules.strided import NONE as NO_STRIDED
@@ -61,15 +63,9 @@ def program_factors(gm: fx.GraphModule, pinned, constraint_of) -> frozenset[int]
     placements) and its sharding constraints. Empty for almost every program: then no rule
     offers a strided option and planning is what it was before strided sharding."""
     found = strided_factors(pinned)
-    for node in gm.graph.find_nodes(op="call_function", target=_constraint_op()):
+    for node in gm.graph.find_nodes(op="call_function", target=CONSTRAINT_OP):
         found |= strided_factors(constraint_of(node))
     return found
-
-
-def _constraint_op():
-    from dynamo_dist.annotations import CONSTRAINT_OP  # lazy: dynamo_dist imports this package
-
-    return CONSTRAINT_OP
 
 
 class _TooLarge(Exception):
@@ -110,8 +106,8 @@ class ShardingILP:
         self.options: dict[fx.Node, list[OpSpec]] = {}
         self.ties: list[tuple[fx.Node, int, fx.Node, object]] = []  # x[g,j] == X[u,o]
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
-        self.primals = [n for n in placeholders if n.name.startswith("primals")]
-        self.tangents = [n for n in placeholders if n.name.startswith("tangents")]
+        self.primals = [n for n in placeholders if roles.is_primal(n)]
+        self.tangents = [n for n in placeholders if roles.is_tangent(n)]
         self.output = next(iter(gm.graph.find_nodes(op="output")))
         self.outs = list(self.output.args[0])
         self.num_fwd_outputs = num_fwd_outputs
@@ -151,9 +147,7 @@ class ShardingILP:
         tangent_src = dict(zip(self.tangents, (self.outs[j] for j in self.diff_outputs)))
         tangent_of = dict(zip(self.tangents, self.diff_outputs))
         # forward part first: a cotangent's options come from its forward output's
-        from .propagate import tangent_dependent
-
-        bwd = tangent_dependent(self.gm.graph)
+        bwd = roles.tangent_dependent(self.gm.graph)
         order = [n for n in self.gm.graph.nodes if n not in bwd] + self.tangents + \
             [n for n in self.gm.graph.nodes if n in bwd and n not in tangent_src]
         program = program_factors(self.gm, [s.output for o in self.options.values() for s in o],

@@ -21,11 +21,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 import dynamo_dist
 from dynamo_dist import (DistCompileError, compile_records, disable_manual_sharding,
-                         enable_manual_sharding, local_map, mark_sharding,
-                         with_sharding_constraint)
-from dynamo_dist._compat import StridedShard
+                         enable_manual_sharding, local_map, mark_sharding, with_sharding_constraint)
 from dynamo_dist.conformance.simulate import run_spmd
 from dynamo_dist.plans import PartitionSpec, ShardingPlan, shard_module
+from inductor_passes.core.compat import StridedShard
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 

@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dynamo_dist import _compat
 from dynamo_dist.backend import clear_compile_records, compile_records
-from inductor_passes.core.errors import DistCompileError
 from dynamo_dist.plans import (DataParallelPlanner, TensorParallelPlanner, parameter_groups,
                                shard_module)
 from dynamo_dist.plans.dataflow import example_inputs, trace_projections
+from inductor_passes.core import compat
+from inductor_passes.core.errors import DistCompileError
 
 from .expect import compare, textbook
 from .models import ZooModel, loss_of
@@ -313,7 +313,7 @@ def _describe_compiles(row: dict) -> None:
     records = compile_records()
     row["graphs"] = len(records)
     row["graph_breaks"] = sorted({str(getattr(r, "reason", r)).splitlines()[0][:200]
-                                  for r in _compat.graph_break_reasons()})
+                                  for r in compat.graph_break_reasons()})
     row["fallbacks"] = sorted({f for r in records for f in r.plan.fallbacks})
     coll: dict[str, list[int]] = {}
     no_source = []

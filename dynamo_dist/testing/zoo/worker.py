@@ -11,7 +11,7 @@ import os
 
 import torch.distributed as dist
 
-from dynamo_dist import _compat
+from inductor_passes.core import compat
 
 from .cell import Runtime, SimRuntime, run_cell
 from .models import MODELS
@@ -50,7 +50,7 @@ def _write(row: dict, path: str) -> None:
 def _gather_status(status: str) -> list[str]:
     """Every rank's status (a rank that fails alone must show): gathered through the store,
     which cannot hang on a rank that already failed."""
-    store = _compat.default_store()
+    store = compat.default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     store.set(f"zoo_status_{rank}", status)
     return [store.get(f"zoo_status_{r}").decode() for r in range(world)]

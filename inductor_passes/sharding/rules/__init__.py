@@ -29,12 +29,11 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Shard
 
-from dynamo_dist import _compat  # noqa: F401  (its Inductor imports register the prims ops)
+from ...core import compat  # noqa: F401  (its Inductor imports register the prims ops)
 from ...core.ops import MATMUL_ND
-
+from ...core.placements import (Placements, is_placements, replicate, shard_range, shard_twin,
+                                strided_factors)
 from ..cost import ATTENTION_OPS, BYTES_PER_FLOP, MATMUL_OPS, node_compute_cost
-from ..placements import (Placements, is_placements, replicate, shard_range, shard_twin,
-                          strided_factors)
 from .attention import ATTENTION, attention_strategy
 from .base import (GETITEM, AxisOption, OpSpec, expand_multi_output, expand_to_mesh,
                    replicated_spec, tensor_args, val_shape)
@@ -46,8 +45,8 @@ from .indexing import INDEXING, slice_scatter_strategy
 from .manual import manual_strategy
 from .matmul import EINSUM, einsum_strategy
 from .moments import MOMENTS, in_op_cost, moments_strategy
-from .pool import PLANNED_WHOLE, POOL, pool_strategy
 from .pointwise import REVERSE, is_pointwise, is_random, pointwise_strategy, reverse_strategy
+from .pool import PLANNED_WHOLE, POOL, pool_strategy
 from .strided import RESHAPES, Strided, with_strided
 
 __all__ = ["GETITEM", "AxisOption", "OpSpec", "Strided", "expand_multi_output",

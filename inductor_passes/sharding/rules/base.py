@@ -1,5 +1,5 @@
-"""The vocabulary every rule speaks: OpSpec, the tensor arguments of a node, and the expansion of
-one-mesh-axis options to an N-D mesh."""
+"""The vocabulary every rule speaks: OpSpec, the tensor arguments of a node (``core.nodes``), and
+the expansion of one-mesh-axis options to an N-D mesh."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-from ..placements import Placements, valid_for
+from ...core.nodes import node_arg, tensor_args, val_shape  # noqa: F401  (the rules' vocabulary)
+from ...core.placements import Placements, valid_for
 
 GETITEM = operator.getitem
 
@@ -25,37 +26,6 @@ class OpSpec:
     inputs: tuple[Placements, ...]
     output: object
     source: str
-
-
-def tensor_args(node: fx.Node) -> list[fx.Node]:
-    """The FX nodes holding tensors among a node's args and kwargs, in pytree order (FX
-    arguments nest only lists, tuples and dicts; walked by hand: the planner asks this hundreds
-    of thousands of times, and pytree's generic walk was a quarter of the planning time)."""
-    out: list[fx.Node] = []
-    _collect_tensor_nodes(node.args, out)
-    _collect_tensor_nodes(node.kwargs, out)
-    return out
-
-
-def _collect_tensor_nodes(value, out: list[fx.Node]) -> None:
-    if isinstance(value, fx.Node):
-        if isinstance(value.meta.get("val"), torch.Tensor):
-            out.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _collect_tensor_nodes(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _collect_tensor_nodes(v, out)
-
-
-def node_arg(node: fx.Node, i: int, name: str, default=None):
-    """Argument ``i`` of ``node``, passed positionally or as keyword ``name``, else ``default``."""
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
-def val_shape(node: fx.Node) -> tuple[int, ...]:
-    return tuple(node.meta["val"].shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,16 +15,16 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from dynamo_dist import _compat
+from inductor_passes.core import compat
 
-from ..placements import Placements, is_placements, normalize, valid_for
+from ...core.placements import Placements, is_placements, normalize, valid_for
 from .base import OpSpec, tensor_args
 
 log = logging.getLogger(__name__)
 
 
 def _meta(val: torch.Tensor):
-    return _compat.TensorMeta(val.shape, val.stride(), val.dtype)
+    return compat.TensorMeta(val.shape, val.stride(), val.dtype)
 
 
 def dtensor_strategy(node: fx.Node, current: Sequence[Placements], mesh,
@@ -35,7 +35,7 @@ def dtensor_strategy(node: fx.Node, current: Sequence[Placements], mesh,
     targs = tensor_args(node)
     if any(isinstance(a, fx.Node) for a in pytree.tree_leaves(node.kwargs)):
         return []  # DTensor's input_specs only cover positional args
-    spec_of = {a: _compat.DTensorSpec(mesh, tuple(p), tensor_meta=_meta(a.meta["val"]))
+    spec_of = {a: compat.DTensorSpec(mesh, tuple(p), tensor_meta=_meta(a.meta["val"]))
                for a, p in zip(targs, current)}
 
     def to_schema_arg(a):
@@ -47,16 +47,16 @@ def dtensor_strategy(node: fx.Node, current: Sequence[Placements], mesh,
                            is_leaf=lambda x: isinstance(x, fx.Node))
     kwargs = pytree.tree_map(to_schema_arg, dict(node.kwargs),
                              is_leaf=lambda x: isinstance(x, fx.Node))
-    schema = _compat.OpSchema(op, tuple(args), kwargs)
+    schema = compat.OpSchema(op, tuple(args), kwargs)
     val = node.meta["val"]
     out_meta = tuple(_meta(v) if isinstance(v, torch.Tensor) else None for v in val) \
         if isinstance(val, (tuple, list)) else _meta(val)
     try:
-        strategy = _compat.dtensor_op_strategy(schema, out_meta)
+        strategy = compat.dtensor_op_strategy(schema, out_meta)
     except Exception as e:  # a rule that cannot handle these inputs enumerates nothing
         log.debug("DTensor strategy for %s failed: %s", op, e)
         return []
-    if not isinstance(strategy, _compat.OpStrategy):
+    if not isinstance(strategy, compat.OpStrategy):
         return []
     in_shapes = [tuple(a.meta["val"].shape) for a in targs]
     specs = []

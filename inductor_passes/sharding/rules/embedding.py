@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from ..placements import Placements, shard_range
+from ...core.placements import Placements, shard_range
 from .base import OpSpec, expand_to_mesh, node_arg, val_shape
 
 aten = torch.ops.aten

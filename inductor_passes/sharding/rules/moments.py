@@ -29,8 +29,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from ...core.placements import Placements
 from ..cost import redistribute_cost
-from ..placements import Placements
 from .base import OpSpec, expand_multi_output, expand_to_mesh, val_shape
 
 aten = torch.ops.aten

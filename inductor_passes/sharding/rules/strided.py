@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from ..placements import Placements, is_placements, is_strided, strided, valid_for
+from ...core.placements import Placements, is_placements, is_strided, strided, valid_for
 from .base import OpSpec, node_arg, replicated_spec, tensor_args, val_shape
 
 aten = torch.ops.aten

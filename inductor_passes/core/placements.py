@@ -31,7 +31,7 @@ from typing import Iterable, Sequence
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from dynamo_dist._compat import StridedShard
+from .compat import StridedShard
 
 Placements = tuple[Placement, ...]
 

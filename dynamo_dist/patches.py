@@ -1,17 +1,17 @@
-"""The one place where dynamo_dist touches private torch APIs.
+"""Patches to Dynamo and DTensor that let ``backend="dist"`` trace distributed programs.
 
-Each entry names the torch version it was checked on. Everything else in the package imports
-these names from here, so a torch upgrade is a change to this file (and its test,
-``tests/test_compat.py``), not a hunt through the tree.
-
-Checked on: torch 2.13.0 (CPU build); import also checked on 2.11.
+Each acts only while Dynamo traces a frame for ``dist`` (``compat.dist_backend_is_tracing``)
+unless its docstring says otherwise, and each is idempotent. ``install()`` applies them all;
+the backend calls it when it is imported (``torch.compile(backend="dist")`` imports it), so
+importing the graph passes or the user API alone patches nothing. Private torch names they
+need come from the gate, ``inductor_passes.core.compat``; the Dynamo and DTensor internals they
+replace are named in each docstring, with the torch versions checked (2.11, 2.13).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import sys
 from typing import Any, Callable
@@ -19,236 +19,27 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
+from inductor_passes.core import compat
+from inductor_passes.core.compat import (STATIC_FIX, DTensorSpec, OpSchema, OutputSharding,
+                                         StridedShard, TensorMeta, TracingContext, data_dependent,
+                                         dist_backend_is_tracing, has_symbolic_shape, log,
+                                         sharding_propagator)
 from inductor_passes.core.errors import DistCompileError
 
-TORCH_CHECKED = ("2.11", "2.13")
-
-# -- FX / tracing (2.13) ------------------------------------------------------------------
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402,F401
-from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402,F401
-from torch._guards import TracingContext, tracing, detect_fake_mode  # noqa: E402,F401
-from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols  # noqa: E402,F401
-
-# -- Inductor (2.13) ------------------------------------------------------------------------
-from torch._inductor.compile_fx import compile_fx_inner  # noqa: E402,F401
-from torch._inductor.decomposition import select_decomp_table  # noqa: E402,F401
-from torch._functorch.partitioners import (  # noqa: E402,F401
-    default_partition, min_cut_rematerialization_partition)
-
-# -- DTensor internals (2.13): spec classes and the strategy registry ----------------------
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402,F401
-from torch.distributed.tensor._op_schema import (  # noqa: E402,F401
-    OpSchema,
-    OpSpec,
-    OpStrategy,
-    OutputSharding,
-    TupleStrategy,
-)
-# block-strided sharding (Megatron's layout of a fused projection): on a mesh axis of size n
-# the dim is k blocks, each split in n, and rank r holds piece r of every block
-from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402,F401
+from .mesh import Mesh
 
 
-def sharding_propagator():
-    """DTensor's global ShardingPropagator (holds the per-op strategy registry)."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor._op_dispatcher.sharding_propagator
-
-
-def dtensor_op_strategy(op_schema: OpSchema, out_tensor_meta: Any) -> Any:
-    """Ask DTensor's registry for the full OpStrategy of ``op_schema`` (args hold DTensorSpecs).
-
-    Returns an ``OpStrategy``/``TupleStrategy``, or ``None`` when DTensor has no strategy for the op
-    (its rule-based and decomposition paths are not used: they decide, they do not enumerate).
-    """
-    prop = sharding_propagator()
-    op = op_schema.op
-    single = getattr(prop, "op_single_dim_strategy_funcs", {}).get(op)
-    func = prop.op_strategy_funcs.get(op)
-    if single is None and func is None:
-        return None
-    if op in prop.op_to_schema_info:
-        op_schema.schema_info = prop.op_to_schema_info[op]
-    elif op in getattr(prop, "op_to_schema_info_for_single_dim_strategy", {}):
-        op_schema.schema_info = prop.op_to_schema_info_for_single_dim_strategy[op]
-    strategy_schema = prop._wrap_with_op_strategy(op_schema)
-    if single is not None:
-        from torch.distributed.tensor._ops.single_dim_strategy import (
-            _expand_single_dim_strategy_to_mesh,
-        )
-
-        mesh = op_schema.get_mesh_from_args(validate=False)
-        expand = _expand_single_dim_strategy_to_mesh(mesh, strategy_schema, single, out_tensor_meta)
-        return expand(op, strategy_schema.args_meta, strategy_schema.kwargs_meta)
-    return func(strategy_schema)
-
-
-# -- Dynamo (2.13) ---------------------------------------------------------------------------
-def assume_constant_result(fn: Callable) -> Callable:
-    """Dynamo calls ``fn`` while tracing and bakes its result in as a constant (guarded)."""
-    return torch._dynamo.assume_constant_result(fn)
-
-
-# -- Dynamo bookkeeping read by ``explain`` (2.13) ---------------------------------------------
-# Dynamo keeps every GraphCompileReason (reason text + user FrameSummary stack) of a graph break
-# in a process-wide list (cleared by torch._dynamo.reset()), and one CompilationMetrics per frame
-# compile (co_name/co_filename/co_firstlineno, recompile_reason, fail_reason, compile_id) in a
-# bounded deque. CompileContext.current_compile_id() names the frame a backend call belongs to.
-# Also read there: ``gm.compile_subgraph_reason`` (set on the graph a backend receives),
-# ``exc.real_stack`` (user frames of a Dynamo exception), ``_orig_mod`` /
-# ``_torchdynamo_orig_callable`` (the function behind a compiled callable).
-def graph_break_reasons() -> list:
-    import torch._dynamo.utils as dynamo_utils
-
-    return list(dynamo_utils.graph_break_reasons)
-
-
-def compilation_metrics() -> list:
-    import torch._dynamo.utils as dynamo_utils
-
-    return dynamo_utils.get_compilation_metrics()
-
-
-def raise_compilation_metrics_limit(limit: int = 100_000) -> None:
-    import torch._dynamo.utils as dynamo_utils
-
-    dynamo_utils.set_compilation_metrics_limit(limit)
-
-
-def current_compile_id() -> str | None:
-    from torch._guards import CompileContext
-
-    cid = CompileContext.current_compile_id()
-    return None if cid is None else str(cid)
-
-
-def sdpa_takes_math_path(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                         scale=None, enable_gqa=False) -> bool:
-    """Whether ``F.scaled_dot_product_attention`` on these (fake) tensors dispatches to its math
-    path: ``torch._fused_sdp_choice`` (0 is math; checked on torch 2.11 and 2.13) asked about
-    real probe tensors with the same shapes, dtypes, requires_grad and unit last-dim strides --
-    under a fake mode it answers math for everything. A probe is one row expanded (no memory);
-    a meta tensor is probed on the CPU, the device a meta-device plan stands for."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-    if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
-        return False
-
-    def probe(t):
-        if not isinstance(t, torch.Tensor):
-            return t
-        device = "cpu" if t.device.type == "meta" else t.device
-        shape = [size_hint(s) for s in t.shape]  # symbolic sizes at their hints: no guard
-        row = torch.empty((1,) * (t.dim() - 1) + tuple(shape[-1:]), dtype=t.dtype,
-                          device=device, requires_grad=t.requires_grad and t.is_floating_point())
-        return row.expand(shape)
-
-    kwargs = {"scale": scale, "enable_gqa": enable_gqa} if enable_gqa else {"scale": scale}
-    # a question about the call, not part of the program: nothing here is traced or faked
-    with disable_proxy_modes_tracing(), unset_fake_temporarily():
-        args = [probe(t) for t in (query, key, value, attn_mask)]
-        return int(torch._fused_sdp_choice(*args, dropout_p, is_causal, **kwargs)) == 0
-
-
-def preserve_backward_stack_traces(grad_fns: list) -> None:
-    """Autograd hooks that give each backward node the forward node's stack trace while a joint
-    graph is traced (AOTAutograd's own mechanism; checked on torch 2.11 and 2.13)."""
-    from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
-
-    setup_stacktrace_preservation_hooks([g for g in grad_fns if g is not None])
-
-
-# -- compiled autograd (2.13) ------------------------------------------------------------------
-from torch.fx.experimental._backward_state import BackwardState  # noqa: E402,F401 (hooks' carrier)
-
-log = logging.getLogger("dynamo_dist")
-
-
-def compiled_autograd_id() -> int | None:
-    """The compiled-autograd graph id of the Dynamo compile in progress (None: not one)."""
-    from torch._guards import CompileContext
-
-    cid = CompileContext.current_compile_id()
-    return getattr(cid, "compiled_autograd_id", None) if cid is not None else None
-
-
-def compiled_autograd_disabled():
-    """Context manager: compiled autograd off inside it (AOTAutograd does the same while it
-    traces a joint graph)."""
-    from torch._dynamo import compiled_autograd
-
-    return compiled_autograd._disable()
-
-
-# -- c10d (2.13, 2.11) -----------------------------------------------------------------------
-def resolve_process_group(name: str):
-    """The ProcessGroup registered under ``name`` (functional collectives name groups so).
-    Raises when no group has that name."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
-
-def default_store():
-    """The default process group's key-value store (used to compare ranks' compiled programs)."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
-
-
-# -- Local tensor simulation (2.13) ----------------------------------------------------------
-def disable_local_tensor_mode() -> contextlib.AbstractContextManager:
-    """A backend must not run its own tracing under LocalTensorMode (it would recurse)."""
-    try:
-        from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-    except ImportError:  # torch 2.11 has no LocalTensorMode
-        return contextlib.nullcontext()
-    return maybe_disable_local_tensor_mode()
-
-
-def allow_implicit_replication(enabled: bool = True) -> None:
-    """Let DTensor treat plain tensors mixed with DTensors as Replicate.
-
-    Dynamo computes example values of a program with DTensor parameters by running DTensor's own
-    dispatch on fake tensors; single-device-style code (rotary tables, masks, labels built from plain
-    tensors) mixes plain tensors in, and plain tensors are replicated global values in our semantics.
-    """
-    from torch.distributed.tensor import DTensor
-
-    DTensor._op_dispatcher._allow_implicit_replication = enabled
-
-
-def implicit_replication_enabled() -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return bool(DTensor._op_dispatcher._allow_implicit_replication)
-
-
-def dist_backend_is_tracing() -> bool:
-    """True while Dynamo traces a frame for the ``dist`` backend (not for any other backend)."""
-    from torch._dynamo import symbolic_convert
-
-    tx = getattr(symbolic_convert.tls, "current_tx", None)
-    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
-    for _ in range(8):  # unwrap Dynamo's debug wrapper and torch.compile's options wrapper
-        if fn is None:
-            return False
-        if getattr(fn, "_dynamo_dist_backend", False):
-            return True
-        fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
-    return False
-
-
-def dynamo_frame_file() -> str | None:
-    """The file of the frame Dynamo is compiling (the backend runs inside its trace), or None
-    outside one (2.11, 2.13)."""
-    from torch._dynamo import symbolic_convert
-
-    tx = getattr(symbolic_convert.tls, "current_tx", None)
-    code = getattr(tx, "f_code", None)
-    return getattr(code, "co_filename", None)
+def install() -> None:
+    """Apply every patch of this module (idempotent). Metadata folding and the process-group
+    guard also serve other backends (see their docstrings); the rest act for ``dist`` only."""
+    if torch.distributed.is_available():
+        install_dead_mesh_lookup_removal()
+        install_process_group_guard()
+        install_metadata_attr_folding()
+    install_backend_ctx_with_options()
+    install_whole_step()
+    install_symbolic_plain_tensor_wrapping()
+    install_dynamo_tracing_fallback()
 
 
 def _dist_tracing() -> bool:
@@ -677,83 +468,6 @@ def _replicating_handler(handler):
     return run
 
 
-def data_dependent(op, args, kwargs) -> bool:
-    """Whether ``op`` on these arguments has an output shape (or a Python value) that depends on
-    tensor DATA, which a plan made at compile time cannot know.
-
-    ``args``/``kwargs``: the op's arguments; tensors may be DTensorSpecs, tensors or FX nodes
-    (anything with a dtype: ``tensor_meta.dtype``, ``dtype`` or ``meta["val"].dtype``).
-    Ops tagged ``data_dependent_output`` (allclose, equal, item) always are. Of those tagged
-    ``dynamic_output_shape``, three are data dependent only for some arguments (torch 2.13's
-    fake tensors give them a static shape otherwise: ``_subclasses/fake_impls.py`` excludes
-    index.Tensor, nonzero and repeat_interleave.Tensor from its blanket ``dyn_shape`` rule,
-    and ``meta_index_Tensor`` calls nonzero only on boolean/byte masks):
-
-    - ``aten.index.Tensor``: only with a bool/uint8 mask among the indices (``x[perm]`` with
-      integer indices has the indices' shape);
-    - ``aten.repeat_interleave.Tensor``: only without ``output_size``;
-    - ``aten.nonzero``: always.
-    """
-    if torch.Tag.data_dependent_output in op.tags:
-        return True
-    if torch.Tag.dynamic_output_shape not in op.tags:
-        return False
-    aten = torch.ops.aten
-    if op is aten.index.Tensor:
-        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return any(_dtype_of(i) in (torch.bool, torch.uint8) for i in indices if i is not None)
-    if op is aten.repeat_interleave.Tensor:
-        return (kwargs.get("output_size") if len(args) < 3 else args[2]) is None
-    return True
-
-
-def _dtype_of(x):
-    meta = getattr(x, "tensor_meta", None)
-    if meta is not None:
-        return meta.dtype
-    if hasattr(x, "meta") and isinstance(getattr(x, "meta"), dict):  # an FX node
-        return getattr(x.meta.get("val"), "dtype", None)
-    return getattr(x, "dtype", None)
-
-
-# how to write each data-dependent op with a static shape (the fix of its error)
-_STATIC_FIX = {
-    "index": "boolean-mask indexing x[mask] has as many rows as mask has True values: keep "
-             "the shape with torch.where(mask[..., None], x, 0), or index with integer "
-             "indices of a fixed count (topk/sort/argsort results)",
-    "masked_select": "use torch.where(mask, x, 0) (same shape as x)",
-    "nonzero": "use torch.nonzero_static(x, size=N, fill_value=-1), or a mask with torch.where "
-               "(a mixture of experts' token dispatch: a static-shape experts path, e.g. "
-               "transformers' experts_implementation=\"grouped_mm\" or \"batched_mm\")",
-    "argwhere": "use torch.nonzero_static(x, size=N, fill_value=-1)",
-    "bincount": "use torch.histc(x.float(), bins=N, min=0, max=N - 1), or "
-                "torch.zeros(N).scatter_add_(0, x, torch.ones_like(x, dtype=torch.float))",
-    "repeat_interleave": "pass output_size= (the total number of repeats) so the shape is known",
-    "unique": "compute it outside the compiled region; unique has no static-shape form",
-    "unique_consecutive": "compute it outside the compiled region",
-    "_local_scalar_dense": "keep the value a tensor (x.item(), x.tolist(), int(x) read a number "
-                           "the plan cannot know), or compute it outside the compiled region",
-    "_unique2": "compute it outside the compiled region; unique has no static-shape form",
-}
-
-
-# what fake tensors raise for an op whose output shape or value depends on tensor data
-DATA_DEPENDENT_ERRORS = (torch._subclasses.fake_tensor.DynamicOutputShapeException,
-                         torch._subclasses.fake_tensor.DataDependentOutputException)
-
-
-def data_dependent_error(op) -> Exception:
-    """The DistCompileError for a data-dependent ``op`` (an OpOverload, or None) met while the
-    backend traces plain tensors: the op and its static-shape form."""
-
-    name = op._schema.name.split("::")[-1] if hasattr(op, "_schema") else ""
-    return DistCompileError(
-        f"{op} cannot be compiled for the dist backend: its output depends on tensor data "
-        f"(data-dependent shape or value), which a plan made at compile time cannot know",
-        op=op, fix=_STATIC_FIX.get(name, "compute it outside the compiled region, or write it "
-                                         "with a static output shape"))
-
-
 def _data_dependent_error(op_schema) -> Exception:
     """The DistCompileError for a data-dependent op met while Dynamo traces for dist: names the
     op, the argument shapes/dtypes (global), mesh, placements, and the static-shape form."""
@@ -765,7 +479,7 @@ def _data_dependent_error(op_schema) -> Exception:
     dtypes = ", ".join(str(s.tensor_meta.dtype).replace("torch.", "") for s in specs
                        if s.tensor_meta is not None)
     name = op._schema.name.split("::")[-1]
-    fix = _STATIC_FIX.get(name, "compute it outside the compiled region, or write it with a "
+    fix = STATIC_FIX.get(name, "compute it outside the compiled region, or write it with a "
                                 "static output shape")
     what = ("its output shape depends on tensor data" if torch.Tag.dynamic_output_shape in op.tags
             else "its output (a Python value) depends on tensor data")
@@ -933,7 +647,6 @@ def _folded_metadata_attr(var: Any, tx: Any, name: str) -> Any:
     if not _METADATA_TYPES:
         from torch.distributed.tensor.placement_types import Placement
 
-        from .mesh import Mesh
 
         _METADATA_TYPES = (Mesh, Placement)
     obj = getattr(var, "value", None)
@@ -986,55 +699,7 @@ def install_metadata_attr_folding() -> bool:
     return True
 
 
-if torch.distributed.is_available():
-    install_dead_mesh_lookup_removal()
-    install_process_group_guard()
-    install_metadata_attr_folding()
 # == end: distributed metadata folded with correct guards ===================================
-
-
-# -- Inductor's FX collective bucketing (torch._inductor.fx_passes.bucketing, 2.11 and 2.13) ---
-_BUCKET_KINDS = (  # config switch, its cap callable, the bucketing module's finder, our kind
-    ("bucket_all_gathers_fx", "bucket_all_gathers_fx_bucket_size_determinator",
-     "bucket_all_gather_by_mb", "all_gather"),
-    ("bucket_reduce_scatters_fx", "bucket_reduce_scatters_fx_bucket_size_determinator",
-     "bucket_reduce_scatter_by_mb", "reduce_scatter"),
-    ("bucket_all_reduces_fx", "bucket_all_reduces_fx_bucket_size_determinator",
-     "bucket_all_reduce_by_mb", "all_reduce"),
-)
-
-
-def bucketing_config(cap_mb_by_bucket: Callable[[int], float]) -> dict:
-    """Inductor config entries that bucket every kind Inductor can, with this cap (MiB by
-    bucket index). Kinds this torch lacks are left out."""
-    from torch._inductor import config
-
-    out = {}
-    for switch, cap, _, _ in _BUCKET_KINDS:
-        if hasattr(config, switch) and hasattr(config, cap):
-            out[switch] = "all"
-            out[cap] = cap_mb_by_bucket
-    return out
-
-
-def functorch_config_patch(**entries) -> contextlib.AbstractContextManager:
-    from torch._functorch import config
-
-    return config.patch(**{k: v for k, v in entries.items() if hasattr(config, k)})
-
-
-def dynamo_settings_for_dist() -> contextlib.AbstractContextManager:
-    """A context in which Dynamo specialises Python ints and floats (a new value recompiles)
-    whatever ``dynamic=`` says; tensor sizes follow ``dynamic=`` as usual (checked on torch
-    2.11 and 2.13), and traces ``backward()`` into the program (a whole training step)."""
-    from torch._dynamo import config
-
-    # trace_autograd_ops: ``loss.backward()`` inside a compiled function is traced into the
-    # program (as autograd.grad + the .grad updates) instead of splitting it (torch 2.13;
-    # absent in 2.11, where the step splits at backward as before)
-    return config.patch(specialize_int=True, specialize_float=True,
-                        **({"trace_autograd_ops": True} if hasattr(config, "trace_autograd_ops")
-                           else {}))
 
 
 # A whole training step in one program (issue 15). With ``trace_autograd_ops`` Dynamo traces
@@ -1048,19 +713,12 @@ def dynamo_settings_for_dist() -> contextlib.AbstractContextManager:
 #   3. its check that no returned tensor needs a grad_fn the traced backward consumed asserts
 #      every example value is a FakeTensor, and ours are DTensors.
 # Each patch below acts only while Dynamo traces for ``dist``.
-def node_annotation(entries: dict) -> contextlib.AbstractContextManager:
-    """Nodes traced (make_fx under ``preserve_node_meta``) inside this context carry ``entries``
-    in ``node.meta["custom"]`` (``torch.fx.traceback.annotate``; 2.11, 2.13)."""
-    return torch.fx.traceback.annotate(entries)
-
-
 def install_whole_step() -> bool:
     """Let Dynamo trace forward, ``backward()`` and a ``torch.optim`` step as one program for
     ``dist`` (see above). Returns False where this torch lacks what it patches (2.11: no
     ``trace_autograd_ops``; the step then splits at ``backward()`` as before). Idempotent
     (checked on torch 2.13)."""
-    from torch._dynamo import config
-    from torch._dynamo import output_graph
+    from torch._dynamo import config, output_graph
     from torch._dynamo.variables import functions, optimizer
     from torch.optim.optimizer import _use_grad_for_differentiable
 
@@ -1206,22 +864,6 @@ def _install_zero_grad_in_graph(optimizer) -> None:
     cls.var_getattr = patched_var_getattr
 
 
-def autograd_leaves(tensors) -> list[torch.Tensor]:
-    """The leaf tensors that requires-grad ``tensors`` reach through their autograd graphs
-    (each ``AccumulateGrad`` node's variable), each once, in no set order."""
-    seen, todo, out = set(), [t.grad_fn for t in tensors], []
-    while todo:
-        fn = todo.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        leaf = getattr(fn, "variable", None)  # an AccumulateGrad node
-        if isinstance(leaf, torch.Tensor):
-            out.append(leaf)
-        todo.extend(f for f, _ in fn.next_functions)
-    return out
-
-
 def _install_backward_reaches_every_leaf() -> None:
     """Dynamo's traced ``loss.backward()`` differentiates with respect to the leaves it holds as
     graph inputs. A parameter it first met through ``opt.param_groups`` (the step reads the
@@ -1243,7 +885,7 @@ def _install_backward_reaches_every_leaf() -> None:
             held = self._collect_backward_inputs(chain(tx.output.leaf_var_creation_order,
                                                        tx.output.input_source_to_var.values()))
             held_ids = {id(v.as_proxy().node.meta.get("example_value")) for v in held}
-            missing = [leaf for leaf in autograd_leaves([value]) if id(leaf) not in held_ids]
+            missing = [leaf for leaf in compat.autograd_leaves([value]) if id(leaf) not in held_ids]
             if missing:
                 unimplemented(
                     gb_type="dist: backward() would miss a parameter",
@@ -1323,153 +965,6 @@ def install_backend_ctx_with_options() -> None:
     eval_frame._optimize = _optimize
 
 
-def reported_output_strides():
-    """Context manager yielding the list Inductor fills, on leaving ``compile_fx_inner``, with the
-    strides its compiled graph gives each output (None where unknown). Layout optimisation (a
-    channels-last convolution on CPU) may choose other strides than the FX graph traced; the
-    backward must be compiled for the strides the forward really saves (AOTAutograd does this
-    in ``_aot_stage2b_bw_compile``). Needs an active ``tracing`` context. (2.11, 2.13)"""
-    return TracingContext.report_output_strides()
-
-
-# Inductor keeps the traced strides only for outputs listed under this key of the output node's
-# meta ("user-visible"; compile_fx_forward/backward set it, compile_fx_inner does not). (2.13)
-USER_VISIBLE_OUTPUTS_META = "user_visible_output_idxs"
-
-
-# Inductor's C++ backend aligns two nodes' loop ranges before fusing them by recomputing a node's
-# loop body (``SchedulerNode.recompute_size_and_body``). That re-reads the node's dependencies
-# from the body, which names a buffer an extern kernel mutated in place (the ``bernoulli_`` of a
-# dropout mask, a max-pool backward's scatter) by its pre-mutation name, and re-applies the
-# node's ``mutation_renames`` only when the node also has fake deps. The reader then no longer
-# depends on the mutation and can be fused ahead of it: it reads the buffer before the kernel
-# fills it (uninitialised memory: NaN losses in T5 on a dp x tp mesh). Fixed upstream by
-# pytorch/pytorch#185873 (issue #185509); torch 2.13 still has it. Installed process-wide, as
-# upstream's fix is: Inductor compiles a backward lazily, outside any scope of ours.
-def install_inductor_mutation_order_fix() -> bool:
-    """Make ``recompute_size_and_body`` re-apply mutation renames (see above). Idempotent;
-    returns False where this torch has no such method. (2.11, 2.13)"""
-    from torch._inductor.scheduler import SchedulerNode
-
-    original = getattr(SchedulerNode, "recompute_size_and_body", None)
-    if original is None:
-        return False
-    if getattr(original, "_dynamo_dist_patch", False):
-        return True
-
-    @functools.wraps(original)
-    def recompute_size_and_body(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        renames = getattr(self, "mutation_renames", None)
-        if renames:  # idempotent: a name already renamed is not a key
-            self.set_read_writes(self.read_writes.rename(renames))
-
-    recompute_size_and_body._dynamo_dist_patch = True
-    SchedulerNode.recompute_size_and_body = recompute_size_and_body
-    return True
-
-
-install_inductor_mutation_order_fix()
-
-
-def inductor_config_patch(entries: dict) -> contextlib.AbstractContextManager:
-    from torch._inductor import config
-
-    return config.patch(entries) if entries else contextlib.nullcontext()
-
-
-def predict_buckets(gm: "torch.fx.GraphModule", cap_mb_by_bucket: Callable[[int], float]
-                    ) -> dict[str, list[int]]:
-    """The buckets Inductor's pass would form in ``gm`` (its own grouping function, read only):
-    per kind, the number of collectives in each bucket of two or more."""
-    from torch._inductor.fx_passes import bucketing
-
-    out = {}
-    for _, _, finder, kind in _BUCKET_KINDS:
-        find = getattr(bucketing, finder, None)
-        if find is not None:
-            out[kind] = [len(b) for b in find(gm, cap_mb_by_bucket)]
-    return out
-
-
-def inline_nested_compile_regions(gm: "torch.fx.GraphModule") -> "torch.fx.GraphModule":
-    """``gm`` with every ``invoke_subgraph`` (a ``torch.compiler.nested_compile_region`` call)
-    replaced by its body, nested regions included, through torch's own pass
-    (``torch._higher_order_ops.passes.inline_invoke_subgraph``, checked on torch 2.13). The
-    planner then sees the body's ops and plans them like any other code; without this it had
-    no rule for the higher-order op and ran every region replicated, all-gathering its
-    parameters. A copy: Dynamo's graph and its region bodies are left as they were. Returns
-    ``gm`` itself when it has no region. Raises ``DistCompileError`` on a torch without the
-    pass (2.11)."""
-    import copy
-
-    import torch.fx as fx
-
-    hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
-    calls = 0 if hop is None else sum(
-        len(m.graph.find_nodes(op="call_function", target=hop))
-        for m in gm.modules() if isinstance(m, fx.GraphModule))
-    if not calls:
-        return gm
-    try:
-        from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
-    except ImportError as e:
-
-        raise DistCompileError(
-            f"torch {torch.__version__} has no pass to inline nested_compile_region bodies",
-            fix="remove torch.compiler.nested_compile_region, or use torch 2.13") from e
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    root = fx.GraphModule(gm, graph)
-    for name, child in gm.named_children():  # the pass edits region bodies in place
-        if isinstance(child, fx.GraphModule):
-            setattr(root, name, copy.deepcopy(child))
-    inline_invoke_subgraph(root)
-    root.delete_all_unused_submodules()
-    root.recompile()
-    logging.getLogger("dynamo_dist").info(
-        "dynamo_dist: %d nested_compile_region call(s) inlined: their bodies are planned and "
-        "compiled with the rest of the program (each call compiled again)", calls)
-    return root
-
-
-def size_hint(value: "int | torch.SymInt", fallback: int = 0) -> int:
-    """A concrete value for a size that may be symbolic, for estimates only (no guard added):
-    the partitioner's saved RNG state of a checkpointed region (``run_and_save_rng_state``) has
-    a symbolic length. ``fallback`` where there is no hint (checked on torch 2.13; 2.11 reads
-    the node's own hint)."""
-    if not isinstance(value, torch.SymInt):
-        return int(value)
-    try:
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-        return int(optimization_hint(value, fallback=fallback))
-    except ImportError:
-        hint = getattr(value.node, "hint", None)
-        return int(hint) if hint is not None else fallback
-
-
-def static_size(size: "int | torch.SymInt") -> int | None:
-    """``size`` as an int where it is one or its ShapeEnv has fixed it (a guard made it
-    equal to a number), else None (checked on torch 2.11 and 2.13)."""
-    if isinstance(size, int):
-        return size
-    return size.node.maybe_as_int()
-
-
-def fixed_size(size):
-    """``size`` as an int where it is one or a guard has fixed it (``static_size``), else
-    ``size`` itself (a symbolic size, or anything that is not a size)."""
-    if not isinstance(size, torch.SymInt):
-        return size
-    n = static_size(size)
-    return size if n is None else n
-
-
-def has_symbolic_shape(t: torch.Tensor) -> bool:
-    return any(static_size(s) is None for s in t.shape)
-
-
 def install_symbolic_plain_tensor_wrapping() -> bool:
     """While Dynamo traces for ``dist`` with symbolic sizes, a plain tensor of symbolic shape
     that meets a DTensor in one call enters it as a replicated DTensor, as implicit replication
@@ -1515,139 +1010,3 @@ def install_symbolic_plain_tensor_wrapping() -> bool:
     run_node._dynamo_dist_patch = True
     dynamo_utils.run_node = run_node
     return True
-
-
-def guard_equal(size: "torch.SymInt", value: int) -> None:
-    """Guard ``size == value`` in its ShapeEnv: Dynamo, which owns that ShapeEnv, re-checks it
-    on every call and recompiles when it fails (checked on torch 2.11 and 2.13)."""
-    if not bool(size == value):  # bool() of a symbolic comparison records it as a guard
-        raise AssertionError(f"{size} is not {value} where it was traced")
-
-
-def guard_divisible(size: "torch.SymInt", n: int) -> None:
-    """Guard ``size % n == 0`` in its ShapeEnv (a Dynamo guard, re-checked per call: a size that
-    is not a multiple recompiles; checked on torch 2.11 and 2.13)."""
-    if not bool(size % n == 0):
-        raise AssertionError(f"{size} is not a multiple of {n} where it was traced")
-
-
-def fresh_size_env() -> FakeTensorMode:
-    """A fake mode with a ShapeEnv of its own (sizes made there never guard Dynamo's)."""
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    return FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-
-
-def new_size(mode: FakeTensorMode, hint: int, name: str) -> "torch.SymInt | int":
-    """A new backed symbolic size in ``mode``'s ShapeEnv traced at ``hint`` (an int where the
-    ShapeEnv specialises it: 0 and 1). ``name`` labels it in messages only: no guard on it is
-    ever turned into code (checked on torch 2.11 and 2.13)."""
-    from torch._dynamo.source import ConstantSource
-    from torch.fx.experimental.symbolic_shapes import DimDynamic
-
-    env, source = mode.shape_env, ConstantSource(name)
-    symbol = env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
-    return env.create_symintnode(symbol, hint=hint, source=source)
-
-
-def size_of_expr(mode: FakeTensorMode, expr, hint: int) -> "torch.SymInt | int":
-    """A SymInt of ``mode``'s ShapeEnv whose value is the sympy ``expr`` (of its symbols)."""
-    import sympy
-
-    if isinstance(expr, (int, sympy.Integer)) or getattr(expr, "is_number", False):
-        return int(expr)
-    return mode.shape_env.create_symintnode(expr, hint=hint)
-
-
-def foreign_fake_mode(values) -> "FakeTensorMode | None":
-    """The fake mode of the fake tensors in ``values`` where it is not the one the tracing
-    context names (``detect_fake_mode`` would pick the context's: while Dynamo compiles, its
-    own), else None. A local program sized in a ShapeEnv of its own
-    (``dynamo_dist.symbolic.LocalSizes``) must be traced and compiled in its own mode."""
-    mode = next((v.fake_mode for v in values if isinstance(v, torch.Tensor) and
-                 getattr(v, "fake_mode", None) is not None), None)
-    ctx = TracingContext.try_get()
-    return mode if mode is not None and mode is not getattr(ctx, "fake_mode", None) else None
-
-
-def binary_size_arithmetic(gm: "torch.fx.GraphModule") -> None:
-    """Rewrite size arithmetic nodes with more than two arguments (``operator.mul(2, a, b)``)
-    as chains of two-argument ones, in place. make_fx records such a node where it rebuilds
-    a size it was not tracing from the pieces of its sympy expression (``proxy_tensor.
-    _build_proxy_for_sym_expr`` passes all of a product's factors at once), and the node then
-    fails to run ("mul expected 2 arguments, got 3"; checked on torch 2.13)."""
-    import operator
-
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (operator.mul, operator.add) or \
-                len(node.args) <= 2 or node.kwargs:
-            continue
-        def val(a):
-            return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
-
-        with gm.graph.inserting_before(node):
-            acc = node.args[0]
-            for arg in node.args[1:-1]:
-                new = gm.graph.call_function(node.target, (acc, arg))
-                new.meta = dict(node.meta)
-                if val(acc) is not None and val(arg) is not None:  # the partitioner reads it
-                    new.meta["val"] = node.target(val(acc), val(arg))
-                acc = new
-        node.args = (acc, node.args[-1])
-    gm.recompile()
-
-
-def tracing_in(mode: "FakeTensorMode | None") -> contextlib.AbstractContextManager:
-    """A tracing context naming ``mode`` (what ``foreign_fake_mode`` found), so that make_fx
-    and Inductor use it rather than Dynamo's; nothing for None."""
-    return tracing(TracingContext(mode)) if mode is not None else contextlib.nullcontext()
-
-
-def python_dispatcher() -> contextlib.AbstractContextManager:
-    """Ops dispatch through their Python meta functions and decompositions, which keep
-    symbolic sizes; some C++ kernels read ``sizes()`` and fix every size they see
-    (``constant_pad_nd``). AOTAutograd traces in this mode; checked on torch 2.11 and 2.13."""
-    from torch._dispatch.python import enable_python_dispatcher
-
-    return enable_python_dispatcher()
-
-
-def symbol_size(like: "torch.SymInt", symbol) -> "torch.SymInt":
-    """A SymInt that is the sympy ``symbol`` of ``like``'s ShapeEnv, with its traced value as
-    hint (a symbol may appear only inside expressions: a DTensor's global ``2*s0``)."""
-    env = like.node.shape_env
-    values = getattr(env, "backed_var_to_val", None)  # torch 2.13; 2.11 has var_to_val only
-    return env.create_symintnode(symbol, hint=int((values or env.var_to_val)[symbol]))
-
-
-def size_guards(mode: FakeTensorMode) -> list:
-    """The guards ``mode``'s ShapeEnv has recorded, as sympy booleans, oldest first."""
-    return [g.expr for g in mode.shape_env.guards]
-
-
-def add_size_guard(like: "torch.SymInt", expr) -> None:
-    """Record the sympy boolean ``expr`` (of the symbols of ``like``'s ShapeEnv) as a guard
-    there: Dynamo, which owns that ShapeEnv, re-checks it on every call. It must hold at the
-    traced sizes (AssertionError otherwise)."""
-    env = like.node.shape_env
-    if not bool(env.evaluate_expr(expr)):
-        raise AssertionError(f"{expr} does not hold at the traced sizes")
-
-
-def baddbmm_self_expanded(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``baddbmm(self, batch1, batch2)`` arguments (positional or by name; returned positional
-    where changed) with ``self`` expanded to the output shape
-    where its sizes are symbolic and it broadcasts: the op's meta function expands it through
-    a kernel that takes only concrete sizes ("SymIntArrayRef expected to contain only concrete
-    integers", torch 2.13; Bloom's ALiBi scores hit it), while an expand beforehand traces. The
-    values are the same."""
-    bound = dict(zip(("self", "batch1", "batch2"), args))
-    bound.update({"self" if k == "input" else k: v for k, v in kwargs.items()})
-    x, b1, b2 = bound.pop("self", None), bound.pop("batch1", None), bound.pop("batch2", None)
-    if not all(isinstance(t, torch.Tensor) for t in (x, b1, b2)) or \
-            not any(has_symbolic_shape(t) for t in (x, b1, b2)):
-        return args, kwargs
-    shape = (b1.shape[0], b1.shape[1], b2.shape[2])
-    if tuple(x.shape) == shape:
-        return args, kwargs
-    return (x.expand(shape), b1, b2), bound  # (beta, alpha by keyword)
