@@ -38,7 +38,7 @@ def worker(dynamic: bool, mesh_text: str) -> None:
     import torch.distributed as dist
 
     from dynamo_dist import compile_records
-    from dynamo_dist.models import token_batch
+    from dynamo_dist.testing.models import token_batch
 
     size, ref, model = sharded_demo_llama(mesh_text)
     compiled = torch.compile(model, backend="dist", dynamic=dynamic)

@@ -15,7 +15,7 @@ import sys
 import torch.nn as nn
 
 from benchmarks.bench.workload import Batch, Workload
-from dynamo_dist.models import LlamaSize, build_llama, token_batch
+from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
 
 SIZE = LlamaSize()
 

@@ -274,31 +274,15 @@ def inductor_seconds(joint) -> dict:
     return out
 
 
-def _tune_planner(max_vars: int | None, time_limit: float | None) -> None:
-    """Experiment knobs (defaults: the library's own caps, 200k variables for the joint N-D ILP
-    and 1M for the others, and 30 s per ILP): the size above which every ILP is skipped, and the
-    HiGHS time limit of each ILP."""
-    import inductor_passes.sharding.propagate as P
-    import inductor_passes.sharding.solver as SV
+def _planner_config(max_vars: int | None, time_limit: float | None):
+    """The planner's settings for this run: the library's defaults (``PlannerConfig``: 200k
+    variables for the joint N-D ILP, 1M for the others, 30 s per ILP), with ``--ilp-max-vars``
+    capping every ILP and ``--ilp-time-limit`` setting HiGHS's limit of each."""
+    from inductor_passes.sharding.config import PlannerConfig
 
-    if max_vars:
-        init = SV.ShardingILP.__init__
-
-        @functools.wraps(init)
-        def patched_init(self, *a, **k):
-            k["max_vars"] = max_vars
-            init(self, *a, **k)
-
-        SV.ShardingILP.__init__ = patched_init
-    if time_limit:
-        inner = P._propagate
-
-        @functools.wraps(inner)
-        def patched(*a, **k):
-            k["time_limit"] = time_limit
-            return inner(*a, **k)
-
-        P._propagate = patched
+    caps = {"joint_max_vars": max_vars, "axis_max_vars": max_vars} if max_vars else {}
+    limit = {"ilp_time_limit_s": time_limit} if time_limit else {}
+    return PlannerConfig(**caps, **limit)
 
 
 def _cpu_timers(cpu: dict) -> None:
@@ -351,7 +335,7 @@ def run_ours(args) -> dict:
         logging.getLogger(name).setLevel(logging.INFO)
     events: list[dict] = []
     _instrument_planner(events)
-    _tune_planner(args.ilp_max_vars, args.ilp_time_limit)
+    planner = _planner_config(args.ilp_max_vars, args.ilp_time_limit)
     cpu: dict[str, float] = {}
     _cpu_timers(cpu)
 
@@ -372,7 +356,8 @@ def run_ours(args) -> dict:
     out["rss_before_compile_gib"] = current_rss_gib()
 
     ids = torch.empty((args.batch, args.seq), dtype=torch.long, device="meta")
-    compiled = torch.compile(model, backend="dist", options={"inductor": False})
+    compiled = torch.compile(model, backend="dist",
+                             options={"inductor": False, "planner": planner})
     t = time.perf_counter()
     loss = compiled(input_ids=ids, labels=ids).loss
     first_call = time.perf_counter() - t

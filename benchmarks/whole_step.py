@@ -35,7 +35,7 @@ def worker(mode: str, mesh_text: str) -> None:
     import torch.distributed as dist
 
     from dynamo_dist import compile_records
-    from dynamo_dist.models import token_batch
+    from dynamo_dist.testing.models import token_batch
 
     size, ref, model = sharded_demo_llama(mesh_text)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -7,10 +7,12 @@ annotations into an SPMD program (local ops + functional collectives, compiled b
 
 import importlib
 
-# Names resolve on first use: ``inductor_passes`` imports small pieces of this package, and an
-# eager import of the backend here would make the two packages import each other.
+# Names resolve on first use: ``import dynamo_dist`` stays light, and Dynamo and DTensor are
+# patched (``patches.install``) only once the backend is imported.
 _EXPORTS = {
     "DistCompileError": "inductor_passes.core.errors",
+    "PlannerConfig": "inductor_passes.sharding.config",
+    "PlanMethod": "inductor_passes.sharding.config",
     "with_sharding_constraint": ".spmd",
     "mark_sharding": ".spmd",
     "clear_sharding": ".spmd",

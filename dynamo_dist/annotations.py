@@ -1,6 +1,7 @@
 """The user's sharding annotations, validated, and the mesh facts a plan records.
 
-``with_sharding_constraint(t, mesh, placements)`` pins the placement of a value. Eagerly it is a
+``pin_placements(t, mesh, placements)`` pins the placement of a value (the user API,
+``spmd.with_sharding_constraint``, is built on it). Eagerly it is a
 copy; under torch.compile it is the op ``dynamo_dist::sharding_constraint(Tensor x, str spec)``
 (``inductor_passes.core.annotation_ops``), whose string argument names the mesh and the
 placements, so Dynamo keeps it as a constant (no graph break; a different spec is a different
@@ -10,7 +11,6 @@ op to the redistribute it implies.
 
 from __future__ import annotations
 
-import weakref
 from typing import Sequence
 
 import torch
@@ -22,40 +22,26 @@ from inductor_passes.core.errors import DistCompileError, describe_mesh
 from inductor_passes.core.placements import SUPPORTED_PARTIAL_OPS, Placements, is_strided, normalize
 
 
-# per mesh OBJECT: DeviceMesh compares by value (ranks, axis names), so a new mesh equal to an
-# old one (a new process group, another model) must not inherit the old one's data axes
-_DATA_AXES: dict[int, tuple["weakref.ref[DeviceMesh]", tuple[str, ...]]] = {}
-
-
-def register_data_axes(mesh: DeviceMesh, axes) -> None:
-    """Record which mesh axes of ``mesh`` carry data parallelism (see ShardingPlan.data_axes)."""
-    axes = tuple(dict.fromkeys(data_axes(mesh) + tuple(axes)))
-    _DATA_AXES[id(mesh)] = (weakref.ref(mesh, lambda _, k=id(mesh): _DATA_AXES.pop(k, None)), axes)
-
-
-def data_axes(mesh: DeviceMesh) -> tuple[str, ...]:
-    """The data-parallel axes registered for this very mesh object (``()`` if none)."""
-    ref, axes = _DATA_AXES.get(id(mesh), (None, ()))
-    return axes if ref is not None and ref() is mesh else ()
-
-
-def with_sharding_constraint(t: torch.Tensor, mesh: DeviceMesh,
-                             placements: Sequence[Placement]) -> torch.Tensor:
-    """Pin ``t`` (global shape) to ``placements`` (one per mesh axis) at this point of the program.
+def pin_placements(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
+                   what: str = "with_sharding_constraint") -> torch.Tensor:
+    """Pin ``t`` (global shape) to ``placements`` (one per mesh axis) at this point of the program:
+    the one primitive behind the user's ``with_sharding_constraint`` / ``mark_sharding``
+    (``spmd``, which also take partition specs and a dynamo_dist Mesh), plans' input pins and
+    capture's manual-region exits. ``what`` names the caller in errors.
 
     Raises TypeError when ``t`` is not a tensor; DistCompileError when the placements cannot
     apply to ``t`` (``validate_placements``: a dim out of range, a Partial op other than sum,
     avg, max, min) or nest a block-strided split with another split of one tensor dim. Several
     mesh axes may Shard one dim (``[Shard(0), Shard(0)]``): nested in mesh-axis order, as DTensor.
     """
-    require_tensor("with_sharding_constraint", t)
+    require_tensor(what, t)
     if torch.compiler.is_compiling():
         # Dynamo cannot trace the raise of our error (fullgraph=True turned it into "Attempted
         # to call a super() attribute"): the backend checks the placements as written
         # (``backend._constraints`` calls ``checked_placements``), naming the user's line
         return sharding_constraint(t, encode_spec(mesh, tuple(placements)))
     return sharding_constraint(t, encode_spec(mesh, checked_placements(
-        "with_sharding_constraint", tuple(t.shape), mesh, tuple(placements))))
+        what, tuple(t.shape), mesh, tuple(placements))))
 
 
 def checked_placements(what: str, shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple,

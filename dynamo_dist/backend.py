@@ -22,19 +22,21 @@ import torch.fx as fx
 from inductor_passes import layout
 from inductor_passes.compile import compile_joint
 from inductor_passes.core import compat, roles
+from inductor_passes.core.mesh_facts import data_axes
 from inductor_passes.core.annotation_ops import CONSTRAINT_OP, PIN_ERROR, encode_spec, mesh_from_key
 from inductor_passes.core.errors import DistCompileError, user_source
 from inductor_passes.core.ledger import CollectiveLedger
 from inductor_passes.core.placements import Placements, fmt, nbytes, parse
 from inductor_passes.lowering import lower
 from inductor_passes.redistribute import local_coordinate
+from inductor_passes.sharding.config import PlannerConfig
 from inductor_passes.sharding.propagate import Plan, propagate
 
 from . import agreement, compiled_autograd, patches, plan_cache
 from . import symbolic as symbolic_shapes
 from .agreement import plan_once
-from .annotations import checked_placements, data_axes
-from .capture import JointProgram, lift_tensor_attributes, planned_input_placements, trace_joint
+from .annotations import checked_placements
+from .capture import ArgKind, JointProgram, lift_tensor_attributes, planned_input_placements, trace_joint
 from .divergence import check_same_schedule
 from .runtime import DistStep
 from .simulate import simulated_joint
@@ -74,7 +76,7 @@ class CompileRecord:
         gm = self.program.graph_module
         nodes = {n.name: n for n in gm.graph.nodes}
         params = {roles.primal_name(k) for k, i in enumerate(self.program.primal_inputs)
-                  if i.kind == "dtensor"}
+                  if i.kind is ArgKind.DTENSOR}
 
         def is_param(name: str) -> bool:
             node = nodes.get(name)
@@ -110,11 +112,21 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
     them as FX graphs (for debugging). ``simulate`` (bool, default False): under
     ``LocalTensorMode(N)`` on a ``fake`` process group, lower the plan for every rank and run the
     N local graphs side by side on the LocalTensor shards (``dynamo_dist.simulate``; FX, no
-    Inductor): a training loop on N simulated ranks in one process.
+    Inductor): a training loop on N simulated ranks in one process. ``planner``
+    (``PlannerConfig``, default ``PlannerConfig.from_env()``): the sharding planner's settings.
+    Raises ValueError on an unknown option, or a ``planner`` that is not a PlannerConfig.
     """
     opts = dict(options or {})
     inductor = bool(opts.pop("inductor", True))
     simulate = bool(opts.pop("simulate", False))
+    config = opts.pop("planner", None)
+    config = PlannerConfig.from_env() if config is None else config
+    if not isinstance(config, PlannerConfig):
+        raise ValueError(f"dist backend: options['planner'] must be a dynamo_dist.PlannerConfig, "
+                         f"got {type(config).__name__}")
+    if opts:
+        raise ValueError(f"dist backend: unknown option(s) {sorted(opts)}; the options are "
+                         f"inductor, simulate and planner")
     agreement.begin_graph()
     if (compat.dynamo_frame_file() or "").startswith(patches.DTENSOR_DIR):
         # DTensor's own code, entered while a step Dynamo split runs eagerly (autograd calling
@@ -127,7 +139,7 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
         compiled = compiled_autograd.compile_local(gm, example_inputs, inductor)
         if compiled is None:
             with compat.disable_local_tensor_mode(), compiled_autograd.disabled():
-                compiled = _compile(gm, list(example_inputs), inductor, simulate)
+                compiled = _compile(gm, list(example_inputs), inductor, config, simulate)
         if not isinstance(compiled, DistStep):  # planned programs were compared before Inductor
             check_same_schedule([gm], f"graph of {_code_name(gm)}")
     except BaseException as exc:  # peers waiting on this rank learn of it at once
@@ -243,8 +255,8 @@ def _input_placements(info, mesh) -> tuple[Placements, str | None]:
     return pls, msg
 
 
-def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate: bool = False,
-             respecialised: bool = False):
+def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: PlannerConfig,
+             simulate: bool = False, respecialised: bool = False):
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     dynamo_gm, dynamo_inputs = gm, example_inputs
@@ -269,9 +281,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
                                    mesh=mesh, fix="use one DeviceMesh per compiled program")
     if mesh is None:
         log.info("dynamo_dist: no DTensor input and no annotation; compiling as one device")
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, example_inputs) if inductor else gm
+        return compat.compile_fx(gm, example_inputs) if inductor else gm
 
     boundary = [_input_placements(i, mesh) for i in program.primal_inputs]
     primal_pl = [pl for pl, _ in boundary]
@@ -290,12 +300,12 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
     def make_plan():
         key = plan_cache.plan_key(
             planned_graph, mesh, primals=primal_pl, grads=grad_pl, origins=origins,
-            pinned=pinned, data_axes=axes,
+            pinned=pinned, data_axes=axes, planner=config,
             outputs=(program.num_fwd_outputs, tuple(program.diff_outputs)))
         plan, hit = plan_cache.cached_plan(key, lambda: propagate(
             planned_graph, mesh, primal_pl, program.num_fwd_outputs,
             program.diff_outputs, grad_pl, lambda n: pinned.get(n.name), origins,
-            data_axes=axes))
+            data_axes=axes, config=config))
         if hit:  # propagate() logs a plan's replicated fallbacks; a cached plan's are logged here
             log.info("dynamo_dist: plan read from the plan cache (%s)", key[:12])
             for msg in plan.fallbacks:
@@ -318,7 +328,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
                                    f"{split[0][0]}", mesh=mesh)
         symbolic_shapes.specialise(program.graph_module)
         agreement.begin_graph()
-        return _compile(dynamo_gm, dynamo_inputs, inductor, simulate, respecialised=True)
+        return _compile(dynamo_gm, dynamo_inputs, inductor, config, simulate, respecialised=True)
 
     has_bwd = torch.is_grad_enabled() and bool(program.diff_outputs) and \
         any(i.requires_grad for i in program.primal_inputs)
@@ -340,7 +350,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, simulate:
     coord, mesh_shape = local_coordinate(mesh), tuple(mesh.shape)
     in_strides = [layout.input_local_strides(
         i.shape, i.stride, pl, mesh_shape, coord,
-        i.local_stride if i.kind == "dtensor" and tuple(i.placements) == tuple(pl) and
+        i.local_stride if i.kind is ArgKind.DTENSOR and tuple(i.placements) == tuple(pl) and
         all(compat.static_size(v) is not None for v in i.local_stride) else None)
         for i, pl in zip(program.primal_inputs, primal_pl)]
 

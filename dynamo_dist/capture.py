@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import logging
 import warnings
 from typing import Any, Sequence
@@ -32,26 +33,36 @@ from inductor_passes.core.ops import attention_math, matmul_nd, wants_matmul_nd
 from inductor_passes.core.placements import is_split, is_uneven, normalize, plannable, replicate
 from inductor_passes.sharding.rules import PLANNED_WHOLE
 
-from .annotations import refuse_strided_nesting, with_sharding_constraint
+from .annotations import pin_placements, refuse_strided_nesting
 from .manual import mark_manual
 from .spmd import input_annotation
 
 log = logging.getLogger("dynamo_dist")
 
 
+class ArgKind(enum.Enum):
+    """What a graph input of the Dynamo graph is."""
+    DTENSOR = "dtensor"  # a DTensor: its placements are its own
+    TENSOR = "tensor"  # a plain tensor: a global value present on every rank
+    SIZE = "size"  # a symbolic size Dynamo passes, read off the tensor inputs
+    CONSTANT = "constant"  # a mesh, process group or Python value bound into the graph
+
+    @property
+    def is_tensor(self) -> bool:
+        return self in (ArgKind.DTENSOR, ArgKind.TENSOR)
+
+
 @dataclasses.dataclass(frozen=True)
 class InputInfo:
     """One graph input as the backend received it.
 
-    ``kind`` is "dtensor" (a DTensor: ``placements`` are its own), "tensor" (a plain tensor: a
-    global value present on every rank), "size" (a symbolic size Dynamo passes, read off the
-    tensor inputs) or "constant" (a mesh, process group or Python value that is bound into the
-    graph). ``shape`` is the GLOBAL shape, symbolic where Dynamo traced it so.
+    ``kind``: an ``ArgKind``. ``shape`` is the GLOBAL shape, symbolic where Dynamo traced it
+    so.
     """
 
     index: int
     name: str
-    kind: str
+    kind: ArgKind
     shape: tuple[int, ...] | None = None
     dtype: torch.dtype | None = None
     requires_grad: bool = False
@@ -62,7 +73,7 @@ class InputInfo:
 
     def origin(self) -> roles.InputOrigin:
         """What the planner knows of this tensor input (a DTensor's gathers cost memory)."""
-        return roles.InputOrigin(roles.InputKind.DTENSOR if self.kind == "dtensor" else
+        return roles.InputOrigin(roles.InputKind.DTENSOR if self.kind is ArgKind.DTENSOR else
                                  roles.InputKind.PLAIN, self.name)
 
 
@@ -97,18 +108,18 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
     for i, x in enumerate(example_inputs):
         name = str(names[i]) if i < len(names) else f"arg{i}"
         if isinstance(x, DTensor):
-            infos.append(InputInfo(i, name, "dtensor", _sizes(x.shape), x.dtype, x.requires_grad,
+            infos.append(InputInfo(i, name, ArgKind.DTENSOR, _sizes(x.shape), x.dtype, x.requires_grad,
                                    x.device_mesh, tuple(x.placements), _sizes(x.stride()),
                                    _sizes(x.to_local().stride())))
         elif isinstance(x, torch.Tensor):
             # a plain tensor is a global value; ``spmd.mark_sharding`` may have given it a
             # placement eagerly (each rank then receives its own piece)
             mesh, pls = input_annotation(x) or (None, None)
-            infos.append(InputInfo(i, name, "tensor", _sizes(x.shape), x.dtype, x.requires_grad,
+            infos.append(InputInfo(i, name, ArgKind.TENSOR, _sizes(x.shape), x.dtype, x.requires_grad,
                                    mesh, pls, _sizes(x.stride())))
         elif isinstance(x, torch.SymInt) and _sizes_of_tensors(x, example_inputs):
             # a symbolic size (dynamic shapes): the program reads it off its tensor inputs
-            infos.append(InputInfo(i, name, "size"))
+            infos.append(InputInfo(i, name, ArgKind.SIZE))
         elif isinstance(x, (torch.SymInt, torch.SymFloat)):
             # Dynamo made a Python number that changed between calls a graph input
             raise DistCompileError(
@@ -117,11 +128,10 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
                 fix="compile with torch.compile(..., backend='dist', dynamic=False), which "
                     "recompiles per value instead")
         else:
-            infos.append(InputInfo(i, name, "constant"))
+            infos.append(InputInfo(i, name, ArgKind.CONSTANT))
     return infos
 
 
-TENSOR_KINDS = ("dtensor", "tensor")
 
 
 def _sizes(values) -> tuple:
@@ -277,7 +287,7 @@ def find_mesh(infos: Sequence[InputInfo], example_inputs: Sequence[Any]) -> Devi
     """The one DeviceMesh of this program; inputs on two different meshes are an error."""
     meshes: dict[int, tuple[DeviceMesh, str]] = {}
     for info, x in zip(infos, example_inputs):
-        mesh = info.mesh if info.kind != "constant" else (x if isinstance(x, DeviceMesh) else None)
+        mesh = info.mesh if info.kind is not ArgKind.CONSTANT else (x if isinstance(x, DeviceMesh) else None)
         if mesh is not None:
             meshes.setdefault(id(mesh), (mesh, info.name))
     distinct: list[tuple[DeviceMesh, str]] = []
@@ -498,7 +508,7 @@ class _GlobalInterpreter(fx.Interpreter):
                                                              or self.mesh)
             if placements is None or mesh is None:
                 return x
-            out = with_sharding_constraint(x, mesh, placements)
+            out = pin_placements(x, mesh, placements)
             self._know(out, mesh, normalize(tuple(placements), x.ndim))
             return out
         if target == "to_local":
@@ -527,7 +537,7 @@ class _GlobalInterpreter(fx.Interpreter):
         if all(u.op == "output" for u in node.users):
             self.local_outputs.add(node.name)
         if self.mesh is not None:
-            out = with_sharding_constraint(x, self.mesh, [Replicate()] * self.mesh.ndim)
+            out = pin_placements(x, self.mesh, [Replicate()] * self.mesh.ndim)
             self._know(out, self.mesh, tuple(Replicate() for _ in range(self.mesh.ndim)))
             return out
         return x
@@ -568,7 +578,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
     if mesh is not None:
         mesh_key(mesh)  # cached now: read under fake mode it would be data-dependent
     fake_mode = symbolic or compat.FakeTensorMode(allow_non_fake_inputs=True)
-    tensor_infos = [i for i in infos if i.kind in TENSOR_KINDS]
+    tensor_infos = [i for i in infos if i.kind.is_tensor]
     with fake_mode:
         primals = [_global_fake(fake_mode, i, example_inputs[i.index], symbolic is not None)
                    for i in tensor_infos]
@@ -581,7 +591,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
         # a size input that a guard fixed (symbolic.specialise) is that number from here on
         args = list(map(compat.fixed_size, example_inputs))
         for info in infos:
-            if info.kind == "size" and compat.static_size(args[info.index]) is None:
+            if info.kind is ArgKind.SIZE and compat.static_size(args[info.index]) is None:
                 args[info.index] = _traced_size(args[info.index], tensors)
         known, positions = {}, {}
         for k, (info, t) in enumerate(zip(tensor_infos, tensors)):
@@ -613,7 +623,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
         # step: loss.backward() and opt.step() traced in, Dynamo's trace_autograd_ops), so
         # from outside it is forward only and may update its parameters in place
         infos = [dataclasses.replace(i, requires_grad=False) for i in infos]
-        tensor_infos = [i for i in infos if i.kind in TENSOR_KINDS]
+        tensor_infos = [i for i in infos if i.kind.is_tensor]
 
     def joint(primals, tangents):
         # backward nodes take the stack trace of the forward node they differentiate, as in

@@ -30,7 +30,7 @@ then compares the user's collectives across ranks too)::
     compiled = compiled_autograd.compile_local(gm, example_inputs, inductor)
     if compiled is None:
         with compat.disable_local_tensor_mode(), compiled_autograd.disabled():
-            compiled = _compile(gm, list(example_inputs), inductor)
+            compiled = _compile(gm, list(example_inputs), inductor, config)
 
 ``disabled()``: capture traces the joint graph with ``torch.autograd.grad``, which compiled
 autograd, when on, would capture as a backward graph of fakes (AOTAutograd turns it off in the
@@ -48,8 +48,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from inductor_passes import comm
 from inductor_passes.core import compat
+from inductor_passes.core.collectives import KINDS, collective_op
 from inductor_passes.core.errors import DistCompileError
 from inductor_passes.core.ledger import CollectiveEntry, CollectiveLedger
 
@@ -130,12 +130,12 @@ def collectives(gm: fx.GraphModule) -> list[GraphCollective]:
     """
     found = []
     for node in gm.graph.nodes:
-        name = comm.collective_op(node)
+        name = collective_op(node)
         if name is None:
             continue
         inp = node.args[0] if node.args else None  # the group name is each op's last argument
         group = node.args[-1] if node.args else node.kwargs.get("group_name")
-        found.append(GraphCollective(comm.KINDS[name], name, str(group), _input_bytes(inp),
+        found.append(GraphCollective(KINDS[name], name, str(group), _input_bytes(inp),
                                      node.name, _user_frame(node)))
     return found
 
@@ -179,9 +179,7 @@ def compile_local(gm: fx.GraphModule, example_inputs: Sequence[Any], inductor: b
     found = collectives(gm)
     compiled: Any = gm
     if inductor:
-        from torch._inductor.compile_fx import compile_fx
-
-        compiled = compile_fx(gm, list(example_inputs))
+        compiled = compat.compile_fx(gm, list(example_inputs))
     seconds = time.perf_counter() - t
     phase = "backward" if ca_id is not None else "forward"
     _RECORDS.append(BackwardRecord(phase, gm, ca_id, found, seconds, inductor))

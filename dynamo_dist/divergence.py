@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from inductor_passes.core import compat
+from inductor_passes.core.collectives import functional_collective_name
 from inductor_passes.core.errors import DistCompileError, user_source
 
 from . import agreement
@@ -34,10 +35,9 @@ def collective_schedule(graphs: Iterable[fx.GraphModule]) -> list[dict]:
     out = []
     for gm in graphs:
         for node in gm.graph.nodes:
-            name = str(node.target) if node.op == "call_function" else ""
-            if not name.startswith("_c10d_functional.") or "wait_tensor" in name:
+            kind = functional_collective_name(node)
+            if kind is None:
                 continue
-            kind = name.split(".")[1]
             consts = [_group_shape(a) if isinstance(a, str) and _is_group(a) else a
                       for a in node.args[1:] if isinstance(a, (str, int, float))]
             first = node.args[0] if node.args else None

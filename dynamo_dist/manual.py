@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from inductor_passes.core import roles
+from inductor_passes.core.collectives import collective_op
 from inductor_passes.core.annotation_ops import (ENTER_OP, EXIT_OP, decode_spec, encode_spec,
                                                  mesh_from_key)
 from inductor_passes.core.roles import MANUAL, VARYING, tangent_dependent
@@ -63,9 +64,7 @@ def mark_manual(gm: fx.GraphModule, mesh, manual_primals: Sequence[int],
             inputs = [a.meta[VARYING] for a in node.all_input_nodes if a.meta.get(MANUAL)]
             if inputs:
                 varying = frozenset().union(*inputs)
-                kind = str(node.target).split(".")[1] if \
-                    str(node.target).startswith("_c10d_functional.") else ""
-                if kind in _REDUCING:  # the result is the same on every rank of the group
+                if collective_op(node) in _REDUCING:  # the result is the same on every rank of the group
                     varying -= groups.get(next((a for a in node.args if isinstance(a, str)
                                                 and a in groups), None), frozenset())
         if varying is not None:

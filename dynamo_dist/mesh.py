@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from inductor_passes.sharding import cost
+from inductor_passes.core import mesh_facts
 
 # Bytes on a DCN link cost this many times a byte on ICI: ~400 GB/s NVLink vs ~50 GB/s
 # (400 Gb/s) per-host network. A single constant until calibrated per machine.
@@ -197,9 +197,9 @@ def as_device_mesh(mesh: Mesh | DeviceMesh | None) -> DeviceMesh:
 
 def set_axis_slowdown(mesh: DeviceMesh, slowdown: Sequence[float]) -> None:
     """Record the relative per-byte cost of each mesh axis of ``mesh`` for the cost model."""
-    cost.set_axis_weights(mesh, slowdown)
+    mesh_facts.set_axis_weights(mesh, slowdown)
 
 
 def axis_slowdown(mesh: DeviceMesh) -> tuple[float, ...]:
     """Per mesh axis, the relative per-byte cost the cost model uses (1.0 unless set)."""
-    return cost.axis_weights(mesh)
+    return mesh_facts.axis_weights(mesh)

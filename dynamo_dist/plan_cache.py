@@ -24,11 +24,12 @@ import torch
 import torch.fx as fx
 
 import inductor_passes
-from inductor_passes.sharding.cost import axis_weights
+from inductor_passes.core import compat
+from inductor_passes.core.mesh_facts import axis_weights
 
 log = logging.getLogger("dynamo_dist")
 
-_VERSION = 1  # bump when Plan's pickled layout changes
+_VERSION = 2  # bump when Plan's pickled layout changes
 
 
 def enabled() -> bool:
@@ -88,9 +89,7 @@ def plan_key(gm: fx.GraphModule, mesh, **inputs: Any) -> str:
 
 
 def _path(key: str) -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return os.path.join(cache_dir(), "dynamo_dist", "plans", key[:2], key + ".pkl")
+    return os.path.join(compat.inductor_cache_dir(), "dynamo_dist", "plans", key[:2], key + ".pkl")
 
 
 def cached_plan(key: str, compute: Callable[[], Any]) -> tuple[Any, bool]:

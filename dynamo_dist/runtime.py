@@ -28,7 +28,7 @@ from inductor_passes.core.placements import Placements
 from inductor_passes.layout import same_layout
 
 from . import contract
-from .capture import TENSOR_KINDS, InputInfo
+from .capture import ArgKind, InputInfo
 from .spmd import input_annotation
 
 log = logging.getLogger("dynamo_dist")
@@ -99,7 +99,7 @@ class DistStep:
         self.diff_outputs = list(diff_outputs)
         # per call: which inputs are tensors, the placement the plan wants for each, and the
         # strides the compiled graph expects for its local tensor
-        tensor_infos = [i for i in self.inputs if i.kind in TENSOR_KINDS]
+        tensor_infos = [i for i in self.inputs if i.kind.is_tensor]
         strides = [_Symbolic.of(s) if _Symbolic.wanted(s) else s for s in input_strides] or \
             [None] * len(tensor_infos)
         self._tensor_inputs = list(zip(tensor_infos, self.input_placements))
@@ -188,7 +188,7 @@ def _global_shape_check(info: InputInfo) -> list[tuple[int, int | None]]:
     global shape (``check_dtensor_spec`` skips shapes; torch 2.13), so a batch of 5 split 3 + 2
     would run rank 0 on a program compiled for 6 and rank 1 on one for 4: wrong numbers, no
     error. Empty for other inputs."""
-    if info.kind != "dtensor" or info.shape is None:
+    if info.kind is not ArgKind.DTENSOR or info.shape is None:
         return []
     split = {p.dim for p in info.placements or () if isinstance(p, Shard)}
     return [(d, compat.static_size(size)) for d, size in enumerate(info.shape)

@@ -33,7 +33,9 @@ import os
 
 import torch.fx as fx
 
-from inductor_passes.core import compat, inductor_fix
+from inductor_passes.core import compat
+from inductor_passes.core import inductor_fix  # noqa: F401  (installs the fix on import)
+from inductor_passes.core.collectives import collective_op
 
 DEFAULT_BUCKET_MB = 0.0  # off: see the module doc
 SUGGESTED_BUCKET_MB = 25.0
@@ -90,36 +92,6 @@ def predicted_buckets(gm: fx.GraphModule) -> dict[str, list[int]]:
     form in ``gm``: what the ledger reports as issued. Reads the graph, changes nothing."""
     cap = _cap_fn()
     return compat.predict_buckets(gm, cap) if cap else {}
-
-
-# _c10d_functional collective op -> ledger kind (wait_tensor is not a collective)
-KINDS = {
-    "all_reduce": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast",
-}
-
-
-def collective_op(node: fx.Node) -> str | None:
-    """The ``_c10d_functional`` op name of a collective node (``all_gather_into_tensor``, no
-    overload), else None. Takes an OpOverload ("ns.op.overload") or an OpOverloadPacket
-    ("ns.op"), as Dynamo's and AOTAutograd's graphs hold either."""
-    if node.op != "call_function":
-        return None
-    ns, _, rest = str(node.target).partition(".")
-    name = rest.split(".")[0]
-    return name if ns == "_c10d_functional" and name in KINDS else None
-
-
-def collective_kind(node: fx.Node) -> str | None:
-    """The ledger's kind of a functional collective node, else None."""
-    op = collective_op(node)
-    return KINDS[op] if op else None
 
 
 def copy_shared_all_reduce_inputs(gm: fx.GraphModule) -> int:

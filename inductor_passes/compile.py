@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
 
-from inductor_passes.core import compat, inductor_fix
+from inductor_passes.core import compat
+from inductor_passes.core import inductor_fix  # noqa: F401  (installs the fix on import)
+from inductor_passes.core.collectives import collective_kind
 
 from . import comm
 
@@ -166,7 +168,7 @@ def _buckets(graphs: list[fx.GraphModule], inductor: bool
     buckets: dict[str, list[int]] = {}
     issued: dict[str, int] = {}
     for gm in graphs:
-        for kind in map(comm.collective_kind, gm.graph.nodes):
+        for kind in map(collective_kind, gm.graph.nodes):
             if kind:
                 issued[kind] = issued.get(kind, 0) + 1
         if inductor:  # the FX runner (inductor=False) issues every collective on its own
@@ -237,7 +239,7 @@ def _tag_forward(gm: fx.GraphModule, num_fwd_outputs: int) -> None:
     # them: memory held from forward to backward (96 tp all_to_alls moved so on the 32-layer
     # Llama-3-8B simulation). Pin them, and their waits, to the backward.
     for node in gm.graph.nodes:
-        if node not in forward and comm.collective_kind(node) is not None:
+        if node not in forward and collective_kind(node) is not None:
             node.meta["partitioner_tag"] = "must_be_in_backward"
             for user in node.users:
                 user.meta["partitioner_tag"] = "must_be_in_backward"

@@ -46,8 +46,8 @@ def fake_mesh():
 
 @pytest.fixture(autouse=True)
 def _no_plan_cache(monkeypatch):
-    """Tests plan afresh (some change the planner's settings, which the cache key does not
-    see); tests/test_plan_cache.py turns the cache back on."""
+    """Tests plan afresh (a cached plan would hide what a test changes in the planner's code
+    or monkeypatches into it); tests/test_plan_cache.py turns the cache back on."""
     monkeypatch.setenv("DYNAMO_DIST_PLAN_CACHE", "0")
 
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 from dynamo_dist import compile_records
-from dynamo_dist.conformance.simulate import run_spmd
+from dynamo_dist.testing.conformance.simulate import run_spmd
+from inductor_passes.sharding.rules import RuleKind
 
 R, S0, S1 = Replicate(), Shard(0), Shard(1)
 
@@ -37,7 +38,7 @@ def _run(mesh, q, k, v, placements, mask=None, mask_pl=None, **sdpa_kwargs):
     torch.compile(f, backend="dist", fullgraph=True, options={"inductor": False})(*d_in, d_mask)
     record = compile_records()[-1]
     assert not record.plan.fallbacks, record.plan.fallbacks
-    fused = [n for n in record.plan.nodes.values() if n.source == "attention"]
+    fused = [n for n in record.plan.nodes.values() if n.kind is RuleKind.ATTENTION]
     assert len(fused) == 2, "the fused kernel (forward and backward) was not used"
     by_name = {"q": q, "k": k, "v": v, "mask": mask}
     args = [by_name[next(s for s in by_name if f"_{s}_" in i.name.lower())].detach()

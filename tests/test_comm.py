@@ -11,6 +11,7 @@ import torch.nn as nn
 from dynamo_dist import compile_records
 from dynamo_dist.plans import DataParallelPlanner, shard_module
 from inductor_passes import comm
+from inductor_passes.core.collectives import collective_op
 
 
 class MLP3(nn.Module):
@@ -106,7 +107,7 @@ def test_a_shared_all_reduce_input_gets_its_own_copy_when_bucketing(monkeypatch)
         return reduced + s, alone
 
     def collective_inputs(gm):
-        return [n.args[0] for n in gm.graph.nodes if comm.collective_op(n) == "all_reduce"]
+        return [n.args[0] for n in gm.graph.nodes if collective_op(n) == "all_reduce"]
 
     gm = fx.symbolic_trace(f)
     monkeypatch.delenv("DYNAMO_DIST_BUCKET_MB", raising=False)

@@ -1,5 +1,5 @@
 """The fast OpInfo conformance subset (issue 4): every case right or a clear error, never a
-wrong number or a crash; the full sweep is `python -m dynamo_dist.conformance`."""
+wrong number or a crash; the full sweep is `python -m dynamo_dist.testing.conformance`."""
 
 import json
 
@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 
 def test_fast_opinfo_subset(tmp_path):
-    from dynamo_dist.conformance.__main__ import FAST_OPS, main
+    from dynamo_dist.testing.conformance.__main__ import FAST_OPS, main
 
     out, js = tmp_path / "cov.md", tmp_path / "cov.json"
     try:

@@ -10,8 +10,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dynamo_dist import compile_records
-from dynamo_dist.conformance.simulate import run_spmd
-from dynamo_dist.models import ConvNet, image_batch
+from dynamo_dist.testing.conformance.simulate import run_spmd
+from dynamo_dist.testing.models import ConvNet, image_batch
 from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
 from inductor_passes.sharding import rules
 from inductor_passes.sharding.rules.moments import in_op_cost

@@ -22,7 +22,7 @@ from test_sharding_properties import OPS, _mesh, _placement
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dynamo_dist import compile_records, with_sharding_constraint
-from dynamo_dist.conformance.simulate import run_spmd
+from dynamo_dist.testing.conformance.simulate import run_spmd
 from dynamo_dist.symbolic import is_symbolic
 from dynamo_dist.testing.zoo.cell import SimRuntime, global_value
 from inductor_passes.core.placements import fmt

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dynamo_dist.conformance.simulate import shard_global, unshard
+from dynamo_dist.testing.conformance.simulate import shard_global, unshard
 from inductor_passes.sharding import rules
-from inductor_passes.sharding.rules.embedding import VOCAB_SOURCE
+from inductor_passes.sharding.rules import RuleKind
 
 aten = torch.ops.aten
 P, R = Partial("sum"), Replicate()
@@ -82,7 +82,7 @@ def test_the_vocabulary_split_is_offered_and_checked():
     splits on a second mesh axis; the backward of a frequency-scaled embedding offers none (its counts need every
     token)."""
     seen = _check_every_spec((2, 2), vocab=9, padding_idx=4)
-    vocab = {(name, s.inputs, s.output) for name, s in seen if s.source == VOCAB_SOURCE}
+    vocab = {(name, s.inputs, s.output) for name, s in seen if s.kind is RuleKind.VOCAB_EMBEDDING}
     assert ("forward", ((Shard(0), R), (R, R)), (P, R)) in vocab
     assert ("forward", ((Shard(0), Shard(1)), (R, R)), (P, Shard(2))) in vocab
     assert ("backward scale=False", ((R, Shard(0)), (R, Shard(0))), (Shard(0), P)) in vocab
@@ -98,7 +98,7 @@ def test_a_vocabulary_split_weight_is_planned_as_megatron_s(fake_mesh):
     from torch.distributed.tensor import distribute_tensor
 
     from dynamo_dist import compile_records
-    from dynamo_dist.conformance.simulate import run_spmd
+    from dynamo_dist.testing.conformance.simulate import run_spmd
 
     mesh = fake_mesh((2,), ("tp",))
     weight, lin = torch.randn(11, 6), torch.randn(6, 6)

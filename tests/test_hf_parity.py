@@ -17,8 +17,9 @@ import torch
 import transformers as T
 
 from dynamo_dist import compile_records
-from dynamo_dist.conformance.simulate import run_spmd
+from dynamo_dist.testing.conformance.simulate import run_spmd
 from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
+from inductor_passes.sharding.rules import RuleKind
 
 SMALL = dict(vocab_size=256)
 
@@ -103,7 +104,7 @@ def test_llama_gqa_default_config_trains_and_returns_its_cache(fake_mesh, mesh_a
     for reference in [want.loss, want.logits, *cache]:
         assert _close_to_one_of(reference.detach(), outs), tuple(reference.shape)
     _check_grads(ref, grads)
-    fused = [n for n in record.plan.nodes.values() if n.source == "attention"]
+    fused = [n for n in record.plan.nodes.values() if n.kind is RuleKind.ATTENTION]
     assert len(fused) == 4
     ledger = record.ledger
     if "tp" in mesh_axes:  # heads split with their key/value heads; Megatron's collectives only

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dynamo_dist.conformance.simulate import shard_global, unshard
+from dynamo_dist.testing.conformance.simulate import shard_global, unshard
 from inductor_passes.core.placements import is_placements
 from inductor_passes.sharding import rules
 
@@ -258,7 +258,7 @@ def test_gather_and_scatter_add_on_misaligned_splits_match_one_device(fake_mesh)
     from torch.distributed.tensor import distribute_tensor
 
     from dynamo_dist import compile_records
-    from dynamo_dist.conformance.simulate import run_spmd
+    from dynamo_dist.testing.conformance.simulate import run_spmd
 
     mesh = fake_mesh((2,), ("x",))
     x, src = torch.randn(6, 8), torch.randn(6, 8)

@@ -66,6 +66,13 @@ def test_graph_passes_never_import_the_front_end():
     assert not found, found
 
 
+def test_the_product_never_imports_its_testing_tools():
+    """The zoo, the conformance sweep and the demo (``dynamo_dist/testing``) sit on the product."""
+    found = sorted((m, d) for m, deps in GRAPH.items() if not m.startswith("dynamo_dist.testing")
+                   for d in deps if d.startswith("dynamo_dist.testing"))
+    assert not found, found
+
+
 def test_no_import_circle():
     """Tarjan's strongly connected components over every project import: each must be one
     module (a package's ``__init__`` importing its own submodules is not a circle)."""

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from dynamo_dist import compile_records
-from dynamo_dist.models import LlamaSize, build_llama, token_batch
+from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
 from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
+from inductor_passes.sharding.rules import RuleKind
 
 LAYERS = 2
 
@@ -40,7 +41,7 @@ def test_tp_forward_matches_megatron_collectives(fake_mesh, attn, seq):
     assert [e.kind for e in bwd] == ["all_reduce"] * (2 * LAYERS)
     assert all(e.bytes == size.batch * size.seq * size.hidden * 4 for e in bwd)
     if attn == "sdpa":  # the fused CPU attention kernel, split over heads, forward and backward
-        fused = [n for n in records[0].plan.nodes.values() if n.source == "attention"]
+        fused = [n for n in records[0].plan.nodes.values() if n.kind is RuleKind.ATTENTION]
         assert len(fused) == 2 * LAYERS
         assert all(str(n.inputs[0]) == "(Shard(dim=1),)" for n in fused), records[0].plan.to_text()
     # the compiled halves run each op once: the backward does not recompute the forward (it

@@ -12,9 +12,10 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dynamo_dist import DistCompileError, compile_records
-from dynamo_dist.conformance.simulate import run_spmd
+from dynamo_dist.testing.conformance.simulate import run_spmd
 from dynamo_dist.plans import ShardingPlan, shard_module
 from inductor_passes.core.compat import StridedShard
+from inductor_passes.sharding.rules import RuleKind
 
 
 def _compile(f, *args):
@@ -71,7 +72,7 @@ def test_index_backward_accumulates_split_updates(fake_mesh):
              distribute_tensor(idx, mesh, [Shard(0)]))
     record = compile_records()[-1]
     put = next(n for n in record.plan.nodes.values() if n.op == "aten.index_put.default")
-    assert put.source == "index_put" and put.output == (torch.distributed.tensor.Partial(),)
+    assert put.kind is RuleKind.INDEX_PUT and put.output == (torch.distributed.tensor.Partial(),)
     _check(record, mesh, f, [table, idx], grad_of=(0,))
 
 

@@ -5,7 +5,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dynamo_dist import compile_records
-from dynamo_dist.conformance.simulate import run_spmd
+from dynamo_dist.testing.conformance.simulate import run_spmd
 from inductor_passes.core import compat
 
 

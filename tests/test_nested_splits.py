@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 from dynamo_dist import compile_records, mark_sharding, with_sharding_constraint
-from dynamo_dist.conformance.simulate import run_spmd
+from dynamo_dist.testing.conformance.simulate import run_spmd
 from inductor_passes.core.placements import local_shape, plannable, valid_for
+from inductor_passes.sharding.rules import RuleKind
 from tests.test_strided import _check_redistribute, _redistribute_on_ranks
 
 S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial("sum")
@@ -54,7 +55,7 @@ def test_a_nested_pin_inside_a_program_computes_exactly(fake_mesh, name):
     (got,), _ = run_spmd(record, [by_name[i.name] for i in record.program.primal_inputs], None,
                          mesh)
     torch.testing.assert_close(got, op(x, w))
-    pinned = [p for p in record.plan.nodes.values() if p.source == "constraint"]
+    pinned = [p for p in record.plan.nodes.values() if p.kind is RuleKind.CONSTRAINT]
     assert pinned and tuple(pinned[0].output) == tuple(pls)
 
 

@@ -202,12 +202,12 @@ def test_structural_fallback_without_example_inputs():
 def test_data_parallel_inputs_default_to_every_batch_argument(fake_mesh, monkeypatch):
     """``DataParallelPlanner``'s default input plan splits every tensor argument whose dim 0 is
     the batch (T5's decoder ids, a ConvNet's labels), and not a broadcast [1, S] argument."""
-    import dynamo_dist.annotations as annotations
+    import dynamo_dist.plans.apply as apply
 
     mesh = fake_mesh((2,), ("dp",))
     calls = []
-    monkeypatch.setattr(annotations, "with_sharding_constraint",
-                        lambda t, m, p: calls.append((tuple(t.shape), tuple(p))) or t)
+    monkeypatch.setattr(apply, "pin_placements",
+                        lambda t, m, p, *_: calls.append((tuple(t.shape), tuple(p))) or t)
 
     class Probe(nn.Module):
         def __init__(self):
@@ -256,10 +256,10 @@ def test_data_axes_belong_to_one_mesh_object_not_to_equal_meshes(fake_mesh):
     """DeviceMesh compares by value: a later mesh with the same ranks and axis names (a new
     process group, another model) must not inherit the data axes a planner gave an earlier one
     (it changed how the later program was planned)."""
-    from dynamo_dist.annotations import data_axes, register_data_axes
+    from inductor_passes.core.mesh_facts import add_data_axes, data_axes
 
     first = fake_mesh((2,), ("dp",))
-    register_data_axes(first, ("dp",))
+    add_data_axes(first, ("dp",))
     second = fake_mesh((2,), ("dp",))
     assert second == first and second is not first
     assert data_axes(first) == ("dp",) and data_axes(second) == ()

@@ -5,7 +5,8 @@ import torch
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from dynamo_dist import compile_records
-from dynamo_dist.conformance.simulate import run_spmd
+from dynamo_dist.testing.conformance.simulate import run_spmd
+from inductor_passes.sharding.rules import RuleKind
 
 
 def test_dropout_on_a_sharded_input_matches_one_device(fake_mesh):
@@ -19,7 +20,7 @@ def test_dropout_on_a_sharded_input_matches_one_device(fake_mesh):
         distribute_tensor(x, mesh, [Shard(0)]))
     record = compile_records()[-1]
     assert not record.plan.fallbacks
-    assert any(n.source == "random" for n in record.plan.nodes.values())
+    assert any(n.kind is RuleKind.RANDOM for n in record.plan.nodes.values())
     torch.manual_seed(7)
     (got,), _ = run_spmd(record, [x], None, mesh)  # each rank seeded alike
     torch.manual_seed(7)

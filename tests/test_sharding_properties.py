@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 from dynamo_dist import compile_records, with_sharding_constraint
-from dynamo_dist.conformance.simulate import run_spmd
+from dynamo_dist.testing.conformance.simulate import run_spmd
 from inductor_passes.core.placements import fmt
 
 # name: (program of x, y, the value's global shapes from (m, k, n)); every program's output

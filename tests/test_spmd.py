@@ -14,6 +14,7 @@ from dynamo_dist import (DistCompileError, HybridMesh, Mesh, enable_manual_shard
                          placements_to_partition_spec, set_global_mesh)
 from inductor_passes.core.annotation_ops import CONSTRAINT_OP, ENTER_OP, EXIT_OP, gradient_spec
 from inductor_passes.sharding.cost import redistribute_cost
+from inductor_passes.sharding.rules import RuleKind
 
 
 def test_mesh_helpers(fake_mesh):
@@ -150,7 +151,7 @@ def test_mark_sharding_in_compiled_code_is_one_annotation_node(fake_mesh):
     nodes = [n for n in rec.graphs[0].graph.nodes if n.target is CONSTRAINT_OP]
     assert len(nodes) == 1 and nodes[0].args[1].endswith("|[S(0)]")
     plan = dynamo_dist.compile_records()[-1].plan
-    constraint = next(n for n in plan.nodes.values() if n.source == "constraint")
+    constraint = next(n for n in plan.nodes.values() if n.kind is RuleKind.CONSTRAINT)
     assert constraint.output == (Shard(0),)
     fn(torch.randn(8, 4), (None, "tp"))
     assert len(rec.graphs) == 2  # a new spec: a new graph
@@ -178,7 +179,7 @@ def test_manual_region_is_planned_local_and_replicated(fake_mesh):
     inside = [n for n in gm.graph.nodes if n.meta.get("dynamo_dist_manual")]
     assert {n.target for n in inside} >= {torch.ops.aten.exp.default}
     for n in inside:
-        assert plan.nodes[n.name].source == "manual"
+        assert plan.nodes[n.name].kind is RuleKind.MANUAL
         assert plan.placement(n.name) == (Replicate(),)
     assert plan.nodes[enters[0].name].inputs == ((Shard(0),),)
     assert not any(e.node in {n.name for n in inside} for e in record.ledger.entries)

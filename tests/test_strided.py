@@ -12,7 +12,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dynamo_dist import compile_records
-from dynamo_dist.conformance.simulate import run_spmd, shard_global, unshard
+from dynamo_dist.testing.conformance.simulate import run_spmd, shard_global, unshard
 from dynamo_dist.simulate import Groups, coordinates, run_lockstep
 from inductor_passes.core.compat import StridedShard
 from inductor_passes.core.placements import fmt, local_shape, plannable, valid_for

@@ -39,7 +39,7 @@ def sharded_demo_llama(mesh_text: str, layers: int = 2, seq: int = 32):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dynamo_dist.models import LlamaSize, build_llama
+    from dynamo_dist.testing.models import LlamaSize, build_llama
     from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
 
     dist.init_process_group("gloo")

@@ -15,12 +15,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
-from dynamo_dist import patches
-from inductor_passes.core import compat
+from .. import patches
+from inductor_passes.core import compat, mesh_facts
 from inductor_passes.core.errors import DistCompileError, describe_mesh
 from inductor_passes.core.placements import is_strided
 
-from ..annotations import register_data_axes, validate_placements, with_sharding_constraint
+from ..annotations import pin_placements, validate_placements
 from .spec import ShardingPlan, to_placements
 
 log = logging.getLogger("dynamo_dist")
@@ -164,7 +164,7 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
 
     if plan.input_plan or plan.output_plan or plan.return_local_tensor:
         model.forward = _constrained_forward(model, mesh, plan)
-    register_data_axes(mesh, plan.data_axes)
+    mesh_facts.add_data_axes(mesh, plan.data_axes)
     model._dynamo_dist_plan = plan  # read by tools (explain); not used by the compiler
     return model
 
@@ -189,7 +189,7 @@ def _constrained_forward(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan)
         if spec is None:
             return a
         pls = to_placements(spec, mesh, a.ndim, f"input {keys[0]!r}")
-        return with_sharding_constraint(a, mesh, pls)
+        return pin_placements(a, mesh, pls)
 
     named = {k for k in specs if isinstance(k, str)}
     warned: set[str] = set()

@@ -15,10 +15,10 @@ import fnmatch
 from typing import Any, Mapping, Sequence
 
 from torch.distributed.tensor import DeviceMesh
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from inductor_passes.core.errors import DistCompileError, describe_mesh
-from inductor_passes.core.placements import fmt, is_strided
+from inductor_passes.core.errors import DistCompileError
+from inductor_passes.core.placements import fmt
 
 
 class PartitionSpec(tuple):

@@ -16,33 +16,48 @@ import logging
 from typing import Any, Callable
 
 import torch
-from torch._functorch.partitioners import default_partition  # noqa: E402,F401
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._guards import TracingContext, detect_fake_mode, tracing  # noqa: E402,F401
-# -- Inductor (2.13) ------------------------------------------------------------------------
-from torch._inductor.compile_fx import compile_fx_inner  # noqa: E402,F401
-from torch._inductor.decomposition import select_decomp_table  # noqa: E402,F401
-# -- FX / tracing (2.13) ------------------------------------------------------------------
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402,F401
-# -- DTensor internals (2.13): spec classes and the strategy registry ----------------------
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402,F401
-from torch.distributed.tensor._op_schema import (OpSchema, OpSpec, OpStrategy,  # noqa: E402,F401
-                                                 OutputSharding, TupleStrategy)
-# block-strided sharding (Megatron's layout of a fused projection): on a mesh axis of size n
-# the dim is k blocks, each split in n, and rank r holds piece r of every block
-from torch.distributed.tensor.placement_types import \
-    _StridedShard as StridedShard  # noqa: E402,F401
-# -- compiled autograd (2.13) ------------------------------------------------------------------
-from torch.fx.experimental._backward_state import BackwardState  # noqa: E402,F401 (hooks' carrier)
-from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402,F401
-from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols  # noqa: E402,F401
 
 from .errors import DistCompileError
 
 TORCH_CHECKED = ("2.11", "2.13")
 
+# -- FX / tracing (2.13) ------------------------------------------------------------------
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402,F401
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402,F401
+from torch._guards import TracingContext, tracing, detect_fake_mode  # noqa: E402,F401
+from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols  # noqa: E402,F401
+
+# -- Inductor (2.13) ------------------------------------------------------------------------
+# compile_fx: Inductor's whole-graph entry (AOTAutograd included), for graphs that are local
+# code already (compiled-autograd backwards, programs with no mesh); compile_fx_inner: one
+# forward or backward graph (our joint is partitioned by us)
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: E402,F401
+from torch._inductor.decomposition import select_decomp_table  # noqa: E402,F401
+from torch._functorch.partitioners import (  # noqa: E402,F401
+    default_partition, min_cut_rematerialization_partition)
+
+# -- DTensor internals (2.13): spec classes and the strategy registry ----------------------
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402,F401
+from torch.distributed.tensor._op_schema import (  # noqa: E402,F401
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    OutputSharding,
+    TupleStrategy,
+)
+# block-strided sharding (Megatron's layout of a fused projection): on a mesh axis of size n
+# the dim is k blocks, each split in n, and rank r holds piece r of every block
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402,F401
+
+# -- compiled autograd (2.13): the carrier of module backward hooks -------------------------
+from torch.fx.experimental._backward_state import BackwardState  # noqa: E402,F401 (hooks' carrier)
 
 
+def inductor_cache_dir() -> str:
+    """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR`` or its default; 2.11, 2.13)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
 
 
 def sharding_propagator():
@@ -155,10 +170,10 @@ def preserve_backward_stack_traces(grad_fns: list) -> None:
     setup_stacktrace_preservation_hooks([g for g in grad_fns if g is not None])
 
 
-
 log = logging.getLogger("dynamo_dist")
 
 
+# -- compiled autograd (2.13; BackwardState above) --------------------------------------------
 def compiled_autograd_id() -> int | None:
     """The compiled-autograd graph id of the Dynamo compile in progress (None: not one)."""
     from torch._guards import CompileContext

@@ -4,7 +4,7 @@ _StridedShard is priced as the Shard it is lowered like (the same collectives, p
 reorders, which are free here as local slices are).
 
 Cost unit: bytes-equivalent on the wire per rank (the beta term), plus a fixed latency of
-``LATENCY_BYTES`` per collective (the alpha term, expressed in bytes so the two add). Ring
+``PlannerConfig.latency_bytes`` per collective (the alpha term, expressed in bytes so the two add). Ring
 algorithms' volumes follow Thakur et al., "Optimization of Collective Communication Operations in
 MPICH" (2005): all_gather and reduce_scatter move (n-1)/n of the full buffer, all_reduce twice
 that, all_to_all (n-1)/n of the local buffer.
@@ -12,7 +12,6 @@ that, all_to_all (n-1)/n of the local buffer.
 
 from __future__ import annotations
 
-import weakref
 from typing import Sequence
 
 import torch
@@ -20,26 +19,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from ..core.nodes import tensor_args
 from ..core.placements import Placements, is_placements, is_split, local_shape, nbytes
-
-LATENCY_BYTES = 64 * 1024
-# A free local re-slice still changes the value; ties are broken towards fewer changes.
-RESLICE_COST = 1.0
-
-
-_AXIS_WEIGHTS: "weakref.WeakKeyDictionary[object, tuple[float, ...]]" = \
-    weakref.WeakKeyDictionary()
-
-
-def set_axis_weights(mesh, weights: Sequence[float]) -> None:
-    """Per mesh axis of ``mesh`` (a DeviceMesh), the relative cost of one byte moved on it:
-    1.0 for fast links; a HybridMesh's axes that cross slices (DCN) are slower."""
-    if len(weights) != mesh.ndim or any(w <= 0 for w in weights):
-        raise ValueError(f"axis weights {tuple(weights)}: need {mesh.ndim} positive numbers")
-    _AXIS_WEIGHTS[mesh] = tuple(float(w) for w in weights)
-
-
-def axis_weights(mesh) -> tuple[float, ...]:
-    return _AXIS_WEIGHTS.get(mesh, (1.0,) * mesh.ndim)
+from .config import DEFAULT, PlannerConfig
 
 
 def _walk_shape(shape: Sequence[int], cur: list, mesh_shape: Sequence[int]) -> tuple[int, ...]:
@@ -59,18 +39,21 @@ def _walk_shape(shape: Sequence[int], cur: list, mesh_shape: Sequence[int]) -> t
 
 def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements, dst: Placements,
                       mesh_shape: Sequence[int], greedy: bool = False,
-                      weights: Sequence[float] | None = None) -> float:
+                      weights: Sequence[float] | None = None,
+                      config: PlannerConfig = DEFAULT) -> float:
     """Estimated cost of moving a value of GLOBAL ``shape`` from ``src`` to ``dst`` placements.
 
     Axes are costed one at a time from the current placements (the order lowering uses: reduce or
     gather from the last axis to the first, then re-slice); the buffer each step moves is the
     local size at that step. ``greedy``: price a reduce_scatter as the all_reduce it turns into
     for a one-pass walk (see below); the ILP sees the later all_gather itself and does not need it.
-    ``weights``: per mesh axis, the relative cost of a byte on it (``axis_weights``); latency
-    and bytes on a slow axis are both scaled.
+    ``weights``: per mesh axis, the relative cost of a byte on it (``core.mesh_facts.axis_weights``); latency
+    and bytes on a slow axis are both scaled. ``config``: the latency and re-slice prices (a
+    free local re-slice still changes the value; ties are broken towards fewer changes).
     """
     if src == dst:
         return 0.0
+    latency = config.latency_bytes
     cost = 0.0
     cur = list(src)
     for axis in reversed(range(len(mesh_shape))):
@@ -82,40 +65,36 @@ def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements,
         if is_split(s) and is_split(d) and s.dim == d.dim:
             # one dim in two layouts (Shard <-> _StridedShard, or two split factors): lowered
             # as a gather and a local slice (redistribute.py)
-            cost += LATENCY_BYTES + local * (n - 1)
+            cost += latency + local * (n - 1)
             cur[axis] = Replicate()
         elif is_split(s) and is_split(d):
-            cost += LATENCY_BYTES + local * (n - 1) / n
+            cost += latency + local * (n - 1) / n
             cur[axis] = d
         elif isinstance(s, Partial) and is_split(d) and s.reduce_op in ("sum", "avg"):
             # A reduce_scatter moves half an all_reduce's bytes, but a greedy walk that takes it
             # for that reason pays the other half (an all_gather) at the next replicated
             # consumer, plus a latency. Priced as reduce_scatter + that all_gather.
             if greedy:
-                cost += 2 * LATENCY_BYTES + 2 * local * (n - 1) / n
+                cost += 2 * latency + 2 * local * (n - 1) / n
             else:
-                cost += LATENCY_BYTES + local * (n - 1) / n
+                cost += latency + local * (n - 1) / n
             cur[axis] = d
         elif isinstance(s, Partial):
-            cost += LATENCY_BYTES + 2 * local * (n - 1) / n
+            cost += latency + 2 * local * (n - 1) / n
             cur[axis] = Replicate()
         else:  # Shard / _StridedShard -> Replicate / Partial
-            cost += LATENCY_BYTES + local * (n - 1)
+            cost += latency + local * (n - 1)
             cur[axis] = Replicate()
         if weights is not None:
             cost = before + (cost - before) * weights[axis]
     for axis in range(len(mesh_shape)):
         if cur[axis] != dst[axis]:
-            cost += RESLICE_COST
+            cost += config.reslice_cost
     return cost
 
 
-# Compute, priced in the same unit: one byte on the wire ~ 1000 flops, a GPU machine's balance
-# (H100: ~1e15 flop/s against ~4.5e11 B/s of NVLink per direction is ~2000). The term keeps the
-# solver from gathering a weight and repeating the whole matmul on every rank; at this weight it
-# no longer buys a small compute split with extra collectives (splitting the lm_head over the
-# batch on a tensor-parallel axis saved flops but cost four collectives a step at 100).
-BYTES_PER_FLOP = 1.0 / 1000
+# Compute, priced in the same unit (``PlannerConfig.bytes_per_flop``, whose default is argued
+# there)
 
 MATMUL_OPS = ("aten.mm.default", "aten.bmm.default", "dynamo_dist.matmul_nd.default",
                "aten.addmm.default", "aten.baddbmm.default")
@@ -127,7 +106,8 @@ ATTENTION_OPS = {"aten._scaled_dot_product_flash_attention_for_cpu.default": 1.0
                  "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": 2.5}
 
 
-def node_compute_cost(node, output, mesh_shape: Sequence[int]) -> float:
+def node_compute_cost(node, output, mesh_shape: Sequence[int],
+                      config: PlannerConfig = DEFAULT) -> float:
     """Flops one rank spends on ``node`` (an FX node of a global graph) when it produces
     ``output`` placements, in bytes-equivalent; 0 for ops whose compute is not priced.
     Matmuls (``compute_cost``) and fused attention: without the latter a replicated attention
@@ -141,7 +121,7 @@ def node_compute_cost(node, output, mesh_shape: Sequence[int]) -> float:
         k = node.args[1].meta["val"].shape[-1] if op in ("aten.addmm.default",
                                                          "aten.baddbmm.default") else \
             _first_tensor(node).shape[-1]
-        return compute_cost(op, tuple(node.meta["val"].shape), k, output, mesh_shape)
+        return compute_cost(op, tuple(node.meta["val"].shape), k, output, mesh_shape, config)
     factor = ATTENTION_OPS.get(op)
     if factor is None or is_placements(output) or not output or output[0] is None:
         return 0.0
@@ -151,7 +131,7 @@ def node_compute_cost(node, output, mesh_shape: Sequence[int]) -> float:
     flops = 4.0 * factor * length * k.shape[-2] * width
     for s in batch:
         flops *= s
-    return flops / _split_degree(output[0], mesh_shape) * BYTES_PER_FLOP
+    return flops / _split_degree(output[0], mesh_shape) * config.bytes_per_flop
 
 
 def _first_tensor(node):
@@ -167,7 +147,7 @@ def _split_degree(output: Placements, mesh_shape: Sequence[int]) -> int:
 
 
 def compute_cost(op: str, out_shape: Sequence[int], contracted: int, output: Placements,
-                 mesh_shape: Sequence[int]) -> float:
+                 mesh_shape: Sequence[int], config: PlannerConfig = DEFAULT) -> float:
     """Matmul flops one rank performs under ``output`` placements (bytes-equivalent).
 
     A Shard or Partial output on a mesh axis means the work is split over that axis.
@@ -177,4 +157,4 @@ def compute_cost(op: str, out_shape: Sequence[int], contracted: int, output: Pla
     flops = 2.0 * contracted
     for s in out_shape:
         flops *= s
-    return flops / _split_degree(output, mesh_shape) * BYTES_PER_FLOP
+    return flops / _split_degree(output, mesh_shape) * config.bytes_per_flop

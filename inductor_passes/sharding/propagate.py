@@ -1,12 +1,14 @@
-"""Whole-graph sharding propagation over the joint forward+backward graph.
+"""Whole-graph sharding over the joint forward+backward graph: every node gets an OpSpec.
 
-Every node gets an OpSpec. The walk follows the graph in topological order, forward part first
-(nodes that do not depend on a tangent), then backward, so that each cotangent takes the
-placement of its forward output (as JAX does: cotangent sharding follows primal sharding).
-At each node the rules enumerate an OpStrategy and we pick the OpSpec whose input redistributes
-are cheapest under ``cost.redistribute_cost`` -- DTensor's per-op choice, made at compile time on
-the whole program. Pinned placements (user DTensor inputs, sharding constraints, parameter
-gradients that must land in the parameter's placement) are never overwritten.
+``propagate`` solves the whole program as an ILP (``solver.ShardingILP``) where it fits
+``PlannerConfig.joint_max_vars``. On an N-D mesh too large for that, one ILP per mesh axis gives
+a start (``_separable_start``), improved by per-axis block coordinate descent. Where no ILP
+fits (or with ``PlanMethod.GREEDY``), a greedy walk (``_Walk``) follows the graph in topological
+order, forward part first, then backward, so that each cotangent takes the placement of its
+forward output (as JAX does), and at each node picks the OpSpec whose input redistributes are
+cheapest -- DTensor's per-op choice, made at compile time on the whole program, repeated a few
+times. Pinned placements (user DTensor inputs, sharding constraints, parameter gradients that
+must land in the parameter's placement) are never overwritten.
 
 The result is a ``Plan``: plain data, printable, diffable, and the input to lowering.
 """
@@ -14,6 +16,7 @@ The result is a ``Plan``: plain data, printable, diffable, and the input to lowe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Callable, Sequence
 
@@ -23,13 +26,19 @@ from torch.distributed.tensor.placement_types import Partial
 
 from ..core import roles
 from ..core.errors import user_source
+from ..core.mesh_facts import axis_weights
 from ..core.placements import (Placements, fmt, is_placements, is_split, nbytes, nonpartial,
                                replicate, returnable, strided_factors)
-from .cost import axis_weights, redistribute_cost
-from .rules import GETITEM, OpSpec, Strided, node_cost, op_strategy, replicated_spec, tensor_args
+from .config import DEFAULT, PlanMethod, PlannerConfig
+from .cost import redistribute_cost
+from .rules import (GETITEM, OpSpec, RuleKind, RuleSource, Strided, node_cost, op_strategy,
+                    replicated_spec, tensor_args)
 from .solver import ShardingILP, program_factors
 
 log = logging.getLogger("dynamo_dist.sharding")
+
+
+_INPUT = RuleSource(RuleKind.INPUT)
 
 
 @dataclasses.dataclass
@@ -40,10 +49,14 @@ class NodePlan:
     op: str
     inputs: tuple[Placements, ...]      # required placement of each tensor arg
     output: object                      # Placements, or a tuple of them for multi-output ops
-    source: str                         # rule that produced the OpSpec
+    source: RuleSource                  # rule that produced the OpSpec
     cost: float                         # redistribute cost paid on its inputs (bytes-equivalent)
     candidates: int                     # size of the OpStrategy it was chosen from
     origin: str = ""                    # why: annotation, propagated, fallback
+
+    @property
+    def kind(self) -> RuleKind:
+        return self.source.kind
 
 
 @dataclasses.dataclass
@@ -84,8 +97,8 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
               num_fwd_outputs: int, diff_outputs: Sequence[int],
               grad_placements: Sequence[Placements | None],
               constraint_of: Callable[[fx.Node], Placements | None],
-              origins: Sequence[str] = (), rounds: int = 3, method: str = "ilp",
-              time_limit: float = 30.0, data_axes: Sequence[str] = ()) -> Plan:
+              origins: Sequence[roles.InputOrigin] = (), data_axes: Sequence[str] = (),
+              config: PlannerConfig = DEFAULT) -> Plan:
     """Give every node of ``gm`` (a joint graph in global semantics) an OpSpec.
 
     ``primal_placements[i]``: the fixed placement of placeholder ``primals_{i+1}``;
@@ -93,27 +106,33 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
     Forward outputs land where ``placements.returnable`` says (never Partial nor unevenly
     split); each cotangent arrives in its output's placement.
 
-    A single greedy walk cannot see that a redistribute it avoids at one consumer will be paid at
-    a later one. So the walk is repeated ``rounds`` times, each round treating the redistributes
+    ``config`` holds every knob (``PlannerConfig``). The ILP over the whole program is solved
+    where it fits ``config.joint_max_vars``; on an N-D mesh that is too large, one ILP per mesh
+    axis gives a start, improved by ``config.descent_rounds`` rounds of per-axis descent.
+    Where no ILP fits, or with ``PlanMethod.GREEDY``: a single greedy walk cannot see that a
+    redistribute it avoids at one consumer will be paid at a later one, so the walk is repeated
+    ``config.greedy_rounds`` times, each round treating the redistributes
     the best plan so far paid for as already available; the plan with the lowest total
     redistribute cost wins (a small local search, in the spirit of GSPMD's repeated sweeps).
     """
     args = (gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
-            constraint_of, origins, tuple(data_axes))
-    if method == "ilp":
-        memo = _Memo(EdgePricer(gm, mesh, origins, data_axes))  # shared by the ILPs on this mesh
-        max_vars = JOINT_MAX_VARS if len(mesh.shape) > 1 else AXIS_MAX_VARS
-        plan = _solve_ilp(*args, time_limit, memo=memo, max_vars=max_vars)
+            constraint_of, origins, tuple(data_axes), config)
+    ilp = config.method is PlanMethod.ILP
+    if ilp:
+        # shared by the ILPs on this mesh
+        memo = _Memo(EdgePricer(gm, mesh, origins, data_axes, config=config))
+        max_vars = config.joint_max_vars if len(mesh.shape) > 1 else config.axis_max_vars
+        plan = _solve_ilp(*args, memo=memo, max_vars=max_vars)
         if plan is not None:
             return plan
     ndim = len(mesh.shape)
-    start = _separable_start(*args, time_limit) if method == "ilp" and ndim > 1 else None
+    start = _separable_start(*args) if ilp and ndim > 1 else None
     if start is not None:
         plan = start
     else:
         walker = _Walk(*args)
         best = walker.run({})
-        for _ in range(rounds - 1):
+        for _ in range(config.greedy_rounds - 1):
             trial = walker.run(best.paid)
             if trial.total >= best.total:
                 break
@@ -121,7 +140,7 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
         plan = Plan(tuple(mesh.shape),
                     tuple(mesh.mesh_dim_names or [f"axis{i}" for i in range(ndim)]),
                     best.nodes, best.fallbacks, best.total)
-    if method == "ilp" and ndim > 1:
+    if ilp and ndim > 1:
         # The whole 2-D problem is too large; improve the start plan one mesh axis at a time
         # (block coordinate descent: each ILP keeps the other axes as they are, so its optimum
         # is never worse than the plan it starts from).
@@ -130,14 +149,13 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
                     for name, n in p.nodes.items() if n.op != "output"}
 
         # the start plan priced by the ILP's cost model (no axis free: one option per node)
-        priced = _solve_ilp(*args, time_limit, base=as_base(plan), free_axis=-1, memo=memo)
+        priced = _solve_ilp(*args, base=as_base(plan), free_axis=-1, memo=memo)
         if priced is not None:
             plan.total_cost = priced.total_cost
-        for _ in range(2):
+        for _ in range(config.descent_rounds):
             improved = False
             for axis in range(ndim):
-                trial = _solve_ilp(*args, time_limit, base=as_base(plan), free_axis=axis,
-                                   memo=memo)
+                trial = _solve_ilp(*args, base=as_base(plan), free_axis=axis, memo=memo)
                 if trial is not None and trial.total_cost < plan.total_cost - 1e-6:
                     plan, improved = trial, True
             if not improved:
@@ -147,7 +165,7 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
 
 
 def _separable_start(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
-                     constraint_of, origins, data_axes, time_limit) -> Plan | None:
+                     constraint_of, origins, data_axes, config) -> Plan | None:
     """A start for an N-D mesh: one 1-D ILP per mesh axis (each sees only its own axis of every
     pinned placement: FSDP on a data axis, Megatron on a tensor-parallel one), combined per node.
 
@@ -166,7 +184,7 @@ def _separable_start(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
         sub = _solve_ilp(gm, mesh[name], [project(p) for p in primal_placements],
                          num_fwd_outputs, diff_outputs, [project(g) for g in grad_placements],
                          lambda n, c=constraint_of, pr=project: pr(c(n)), origins,
-                         tuple(a for a in data_axes if a == name), time_limit)
+                         tuple(a for a in data_axes if a == name), config)
         if sub is None:
             return None
         per_axis.append(sub)
@@ -199,21 +217,12 @@ class _Memo:
     edges: dict = dataclasses.field(default_factory=dict)
 
 
-# Variable caps. The joint N-D program is only worth trying while small (it is the exact optimum;
-# 636k variables for a 4-layer Llama on 2 x 2); the per-axis programs of the separable start and
-# the descent stay solvable far larger (330k variables at 32 layers of Llama-3-8B on 8 x 8, a few
-# seconds of HiGHS each), and below that size the planner fell back to its greedy walk there
-# (31.1 GiB on the wire per step against 24.6 GiB with the ILPs).
-JOINT_MAX_VARS = 200_000
-AXIS_MAX_VARS = 1_000_000
-
-
 def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
-               constraint_of, origins, data_axes, time_limit, base=None,
+               constraint_of, origins, data_axes, config, base=None,
                free_axis=None, memo: _Memo | None = None,
-               max_vars: int = AXIS_MAX_VARS) -> Plan | None:
+               max_vars: int | None = None) -> Plan | None:
     mesh_shape = tuple(mesh.shape)
-    memo = memo or _Memo(EdgePricer(gm, mesh, origins, data_axes))
+    memo = memo or _Memo(EdgePricer(gm, mesh, origins, data_axes, config=config))
     price, edges = memo.price, memo.edges
 
     def edge_cost(u, o, r) -> float:
@@ -229,15 +238,16 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
     ilp = ShardingILP(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
                       grad_placements, constraint_of, edge_cost, base=base, free_axis=free_axis,
                       keep=lambda n, sp: data_parallel_ok(n, sp, bwd, data_idx),
-                      strategy_cache=memo.strategies, max_vars=max_vars)
-    sol = ilp.solve(time_limit)
+                      strategy_cache=memo.strategies, config=config,
+                      max_vars=config.axis_max_vars if max_vars is None else max_vars)
+    sol = ilp.solve(config.ilp_time_limit_s)
     if sol is None:
         return None
     nodes: dict[str, NodePlan] = {}
     fallbacks: list[str] = []
     for k, node in enumerate(ilp.primals):
         spec = sol.chosen[node]
-        nodes[node.name] = NodePlan(node.name, "input", (), spec.output, "input", 0.0, 1,
+        nodes[node.name] = NodePlan(node.name, "input", (), spec.output, _INPUT, 0.0, 1,
                                     str(origins[k]) if k < len(origins) else "input")
     env = {n: spec.output for n, spec in sol.chosen.items()}
     for node in gm.graph.nodes:
@@ -251,7 +261,7 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
         targs = tensor_args(node) if node.op == "call_function" else []
         edge = sum(edge_cost(a, env[a], r) for a, r in zip(targs, spec.inputs))
         origin = f"solver (1 of {sol.counts[node]})"
-        if spec.source == "fallback":
+        if spec.kind is RuleKind.FALLBACK:
             fallbacks.append(_fallback_message(node, targs, [env[a] for a in targs], edge))
             origin = "fallback: no rule"
         op = "tangent" if node.op == "placeholder" else str(node.target)
@@ -266,7 +276,7 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
         out_inputs.append(want)
         out_cost += edge_cost(o, env[o], want)
     nodes[ilp.output.name] = NodePlan(
-        ilp.output.name, "output", tuple(out_inputs), None, "output", out_cost, 1,
+        ilp.output.name, "output", tuple(out_inputs), None, RuleSource(RuleKind.OUTPUT), out_cost, 1,
         "forward outputs reduced and evenly split; gradients in their parameter's "
         "placement")
     ndim = len(mesh_shape)
@@ -284,8 +294,9 @@ class _WalkResult:
 
 class _Walk:
     def __init__(self, gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
-                 grad_placements, constraint_of, origins, data_axes=()) -> None:
-        self.gm, self.mesh = gm, mesh
+                 grad_placements, constraint_of, origins, data_axes=(),
+                 config: PlannerConfig = DEFAULT) -> None:
+        self.gm, self.mesh, self.config = gm, mesh, config
         self.mesh_shape = tuple(mesh.shape)
         self.primal_placements = primal_placements
         self.num_fwd_outputs = num_fwd_outputs
@@ -294,7 +305,7 @@ class _Walk:
         self.constraint_of = constraint_of
         self.origins = origins
         self.bwd = roles.tangent_dependent(gm.graph)
-        self.price = EdgePricer(gm, mesh, origins, data_axes, greedy=True)
+        self.price = EdgePricer(gm, mesh, origins, data_axes, greedy=True, config=config)
         self.data_idx = _data_idx(mesh, data_axes)
         self.strategies: dict[tuple, list[OpSpec]] = {}
         self.program_factors = program_factors(gm, primal_placements, constraint_of)
@@ -338,7 +349,7 @@ class _Walk:
         for k, (node, pl) in enumerate(zip(primals, self.primal_placements)):
             env[node] = pl
             origin = str(self.origins[k]) if k < len(self.origins) else "input"
-            nodes[node.name] = NodePlan(node.name, "input", (), pl, "input", 0.0, 1, origin)
+            nodes[node.name] = NodePlan(node.name, "input", (), pl, _INPUT, 0.0, 1, origin)
 
         def visit(node: fx.Node) -> None:
             nonlocal total
@@ -350,12 +361,13 @@ class _Walk:
                 src = env[node.args[0]]
                 out = src[node.args[1]] if isinstance(src, tuple) and not is_placements(src) else src
                 env[node] = out
-                nodes[node.name] = NodePlan(node.name, "getitem", (), out, "getitem", 0.0, 1)
+                nodes[node.name] = NodePlan(node.name, "getitem", (), out, RuleSource(RuleKind.GETITEM), 0.0,
+                                            1)
                 return
             specs = self._specs(node, current)
             origin = "propagated"
             if not specs:
-                specs = [replicated_spec(node, ndim, "fallback")]
+                specs = [replicated_spec(node, ndim, RuleKind.FALLBACK)]
                 origin = "fallback: no rule"
             best, best_key = specs[0], None
             for spec in specs:
@@ -369,10 +381,11 @@ class _Walk:
                 # (only a sole consumer takes a debt over; with other consumers it stays
                 # unpaid), so "keep Partial, gather the other operand" is weighed against
                 # "reduce now".
-                cost += (node in self.bwd) * _debt(node, spec.output, mesh_shape) - sum(
-                    _debt(a, r, mesh_shape) for a, c, r in zip(targs, current, spec.inputs)
+                debt = functools.partial(_debt, mesh_shape=mesh_shape, config=self.config)
+                cost += (node in self.bwd) * debt(node, spec.output) - sum(
+                    debt(a, r) for a, c, r in zip(targs, current, spec.inputs)
                     if r == c and _has_partial(r) and len(a.users) == 1)
-                cost += node_cost(node, spec, mesh_shape)
+                cost += node_cost(node, spec, mesh_shape, self.config)
                 # ties: fewer new redistributes, then no pending reduction. (Preferring the more
                 # sharded output here slices replicated activations for free and pays gathers
                 # later; DTensor's eager choice, keep the inputs' placements, is the better bet.)
@@ -383,7 +396,7 @@ class _Walk:
             total += edge
             for a, r in zip(targs, best.inputs):
                 available.setdefault(replicate_source(a, r, env), set()).add(r)
-            if best.source == "fallback":
+            if best.kind is RuleKind.FALLBACK:
                 fallbacks.append(_fallback_message(node, targs, current, edge))
             env[node] = best.output
             available[node] = {best.output}
@@ -402,7 +415,8 @@ class _Walk:
                 final.append(None)
         for node, j in zip(tangents, self.diff_outputs):
             env[node] = final[j]
-            nodes[node.name] = NodePlan(node.name, "tangent", (), final[j], "cotangent", 0.0, 1,
+            nodes[node.name] = NodePlan(node.name, "tangent", (), final[j], RuleSource(RuleKind.COTANGENT),
+                                            0.0, 1,
                                         f"follows forward output {j}")
         for node in gm.graph.nodes:
             if node in self.bwd:
@@ -420,35 +434,24 @@ class _Walk:
             out_cost += pay(o, want)
         total += out_cost
         nodes[output_node.name] = NodePlan(
-            output_node.name, "output", tuple(out_inputs), None, "output", out_cost, 1,
+            output_node.name, "output", tuple(out_inputs), None, RuleSource(RuleKind.OUTPUT), out_cost, 1,
             "forward outputs reduced and evenly split; gradients in their parameter's "
             "placement")
         return _WalkResult(nodes, fallbacks, paid, total)
 
 
-# A gathered parameter stays resident on every rank (its memory is what sharding it was for):
-# its gather is priced at this multiple of its bytes. Without a memory term the cheapest plan
-# by bytes replicates parameters (AutoParallel reports the same).
-PARAM_GATHER_FACTOR = 3.0
-
-
-# A data axis is the user's statement that samples are split there (DataParallelPlanner): in
-# DDP/FSDP only parameters, gradients and the loss cross it. Moving any other value off a Shard
-# on it (gathering the batch) is priced so high that it is in effect forbidden (a soft
-# constraint keeps the ILP feasible): otherwise, at small batch, the cost model prefers to gather
-# the token ids and repeat the whole step on every data-parallel rank, which moves fewer bytes
-# than reducing gradients but is not data parallelism.
-DATA_AXIS_ACTIVATION_FACTOR = 1e4
-
-
 class EdgePricer:
     """Cost of one redistribute of a joint-graph value (bytes-equivalent): ``cost.redistribute_cost``
-    x PARAM_GATHER_FACTOR when a parameter is gathered on a non-data axis (its memory), or x
-    DATA_AXIS_ACTIVATION_FACTOR when any other value leaves a Shard on a data axis."""
+    x ``config.param_gather_factor`` when a parameter is gathered on a non-data axis (its
+    memory), or x ``config.data_axis_activation_factor`` when any other value leaves a Shard on
+    a data axis: a data axis is the user's statement that samples are split there
+    (DataParallelPlanner), and in DDP/FSDP only parameters, gradients and the loss cross it;
+    otherwise, at small batch, gathering the token ids and repeating the step on every
+    data-parallel rank moves fewer bytes than reducing gradients but is not data parallelism."""
 
     def __init__(self, gm: fx.GraphModule, mesh, origins, data_axes: Sequence[str],
-                 greedy: bool = False) -> None:
-        self.mesh_shape, self.greedy = tuple(mesh.shape), greedy
+                 greedy: bool = False, config: PlannerConfig = DEFAULT) -> None:
+        self.mesh_shape, self.greedy, self.config = tuple(mesh.shape), greedy, config
         weights = axis_weights(mesh)
         self.weights = weights if any(w != 1.0 for w in weights) else None
         self.params = parameter_views(gm, origins, _priced_axes(mesh, data_axes))
@@ -457,13 +460,13 @@ class EdgePricer:
     def __call__(self, node: fx.Node, cur, req) -> float:
         val = node.meta["val"]
         cost = redistribute_cost(tuple(val.shape), val.dtype, cur, req, self.mesh_shape,
-                                 self.greedy, self.weights)
+                                 self.greedy, self.weights, self.config)
         priced = self.params.get(node)
         if priced is not None:
             if any(is_split(cur[i]) and not is_split(req[i]) for i in priced):
-                cost *= PARAM_GATHER_FACTOR
+                cost *= self.config.param_gather_factor
         elif any(is_split(cur[i]) and cur[i] != req[i] for i in self.data_idx):
-            cost *= DATA_AXIS_ACTIVATION_FACTOR
+            cost *= self.config.data_axis_activation_factor
         return cost
 
 
@@ -508,7 +511,7 @@ def parameter_views(gm: fx.GraphModule, origins, priced_axes: tuple[int, ...]
     return found
 
 
-def _debt(node: fx.Node, output, mesh_shape) -> float:
+def _debt(node: fx.Node, output, mesh_shape, config: PlannerConfig) -> float:
     """Cost of reducing every Partial axis of ``output`` to Replicate."""
     vals = node.meta["val"]
     pairs = [(vals, output)] if is_placements(output) else list(zip(vals, output))
@@ -517,7 +520,7 @@ def _debt(node: fx.Node, output, mesh_shape) -> float:
         if pls is None or not isinstance(v, torch.Tensor) or not _has_partial(pls):
             continue
         dst = nonpartial(pls)
-        total += redistribute_cost(tuple(v.shape), v.dtype, pls, dst, mesh_shape)
+        total += redistribute_cost(tuple(v.shape), v.dtype, pls, dst, mesh_shape, config=config)
     return total
 
 
@@ -540,7 +543,7 @@ def data_parallel_ok(node: fx.Node, spec: OpSpec, bwd: set, data_idx: tuple[int,
     parallelism splits samples, so forward values are split or replicated there, and Partial
     appears only for gradients (which the backward reduces). Without this the cost model, at small batch, may use the data
     axis as a second tensor-parallel axis (contractions split over it)."""
-    if not data_idx or node in bwd or spec.source in ("manual", "constraint"):
+    if not data_idx or node in bwd or spec.kind in (RuleKind.MANUAL, RuleKind.CONSTRAINT):
         return True  # the user's own placements
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor) and val.numel() == 1:

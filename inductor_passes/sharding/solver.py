@@ -1,25 +1,28 @@
 """Whole-graph sharding as an integer linear program (the AutoParallel / Alpa formulation).
 
-Variables and constraints, each built by the function named:
+``ShardingILP.solve`` builds it in four blocks (each marked by a comment there):
 
-* ``x[v,s]`` in {0,1}: node v uses OpSpec s of its OpStrategy; ``sum_s x[v,s] = 1``
-  (``_choose_one``). Placeholders of parameters and inputs, and sharding constraints, have a
-  single OpSpec, so user placements are never overwritten.
-* ``X[u,o] = sum of x[u,s] with output(s) = o`` and ``Z[v,k,r] = sum of x[v,s] with
-  input_k(s) = r`` are linear expressions, not variables.
-* ``y[u,o,r] >= X[u,o] + Z[v,k,r] - 1`` for every consumer slot (v,k) of u (``_edges``):
-  y = 1 when u is produced as o and some consumer needs it as r. One y per (u,o,r), shared by
-  all consumers, because lowering redistributes a value once per target placement.
-* getitem nodes and cotangents are tied to their source: ``x[g,j] = X[u,o_j]`` (``_ties``);
-  a cotangent takes the placement its forward output lands in (JAX's rule; the runtime hands
-  the gradient over there).
+* choose one: ``x[v,s]`` in {0,1}, node v uses OpSpec s of its OpStrategy; ``sum_s x[v,s] = 1``.
+  Placeholders of parameters and inputs, and sharding constraints, have a single OpSpec, so
+  user placements are never overwritten. ``X[u,o] = sum of x[u,s] with output(s) = o`` is a
+  linear expression, not a variable.
+* ties: getitem nodes and cotangents are tied to their source, ``x[g,j] = X[u,o_j]``; a
+  cotangent takes the placement its forward output lands in (JAX's rule; the runtime hands the
+  gradient over there).
+* edges: per consumer slot (v,k) of a value u, a transportation flow ``e[o,r] >= 0`` with
+  ``sum_r e[o,r] = X[u,o]`` and ``sum_o e[o,r] = (v requires r)``, which is tight where the
+  textbook ``y >= X + Z - 1`` is not; then ``y[u,o,r] >= e[o,r]``, one y per (value, from, to)
+  shared by all consumers, because lowering redistributes a value once per target placement.
+  A slot with one choice on each side is a constant, with no variable.
+* objective: redistribute cost * y (``EdgePricer``: ``cost.redistribute_cost``, parameters'
+  gathers priced with ``PlannerConfig.param_gather_factor``) + what each OpSpec costs itself
+  (``rules.node_cost``: matmul, fused-attention and convolution compute per rank, collectives
+  inside an op) + the cost of bringing each graph output to its required placement (forward
+  outputs: ``returnable``, never Partial nor unevenly split; gradients in their parameter's
+  placement).
 
-Objective (``_objective``): sum of redistribute cost * y (cost.redistribute_cost, parameters'
-gathers priced with the memory factor) + what each OpSpec costs itself (rules.node_cost: matmul,
-fused-attention and convolution compute per rank, collectives inside an op) + the cost of
-bringing each graph output to its required placement (forward outputs: ``returnable``, never
-Partial nor unevenly split; gradients in their parameter's placement). Solved with HiGHS
-through scipy.optimize.milp.
+Solved with HiGHS through scipy.optimize.milp. A program over ``max_vars`` variables is abandoned
+while enumerating (``_TooLarge``), before any row is built.
 """
 
 from __future__ import annotations
@@ -35,13 +38,12 @@ import torch.fx as fx
 from ..core import roles
 from ..core.annotation_ops import CONSTRAINT_OP
 from ..core.placements import Placements, is_placements, replicate, returnable, strided_factors
-from .rules import (GETITEM, OpSpec, Strided, has_node_cost, node_cost, op_strategy,
+from .config import DEFAULT, PlannerConfig
+from .rules import (GETITEM, OpSpec, RuleKind, Strided, has_node_cost, node_cost, op_strategy,
                     replicated_spec, tensor_args)
 from .rules.strided import NONE as NO_STRIDED
 
 log = logging.getLogger("dynamo_dist.sharding")
-
-MAX_OPTIONS = 64
 
 
 def _agrees(spec: OpSpec, base: OpSpec, free_axis: int | None) -> bool:
@@ -87,11 +89,13 @@ class ShardingILP:
                  grad_placements: Sequence[Placements | None],
                  constraint_of: Callable[[fx.Node], Placements | None],
                  edge_cost: Callable[[fx.Node, Placements, Placements], float],
-                 max_vars: int = 200_000, base: dict[str, OpSpec] | None = None,
+                 max_vars: int = DEFAULT.joint_max_vars,
+                 base: dict[str, OpSpec] | None = None,
                  free_axis: int | None = None,
                  keep: Callable[[fx.Node, OpSpec], bool] | None = None,
-                 strategy_cache: dict | None = None) -> None:
-        self.keep = keep
+                 strategy_cache: dict | None = None,
+                 config: PlannerConfig = DEFAULT) -> None:
+        self.keep, self.config = keep, config
         # OpStrategies depend only on the node, its inputs' placements, the mesh, constraints
         # and ``keep``: the caller shares this cache between ILPs that agree on those (the
         # descent re-solves one graph up to 6 times; enumerating was half the planning time)
@@ -115,7 +119,7 @@ class ShardingILP:
         self.grad_placements = list(grad_placements)
         self.constraint_of = constraint_of
         for node, pl in zip(self.primals, primal_placements):
-            self.options[node] = [OpSpec((), pl, "input")]
+            self.options[node] = [OpSpec((), pl, RuleKind.INPUT)]
         # a lower bound of the variable count, kept while enumerating: a program over the cap
         # is abandoned as soon as that is known (a 2-D Llama enumerated 3x the cap, then built
         # every row, only to be rejected: 65% of the planning time at 32 layers)
@@ -160,7 +164,7 @@ class ShardingILP:
                 outs = self.outputs_of(src)
                 # the runtime hands it over where the output landed (DTensor.from_local's
                 # backward redistributes the incoming gradient to the output's placement)
-                self.options[node] = [OpSpec((), self.want(tangent_of[node], o), "cotangent")
+                self.options[node] = [OpSpec((), self.want(tangent_of[node], o), RuleKind.COTANGENT)
                                       for o in outs]
                 for j, o in enumerate(outs):
                     self.ties.append((node, j, src, o))
@@ -170,7 +174,7 @@ class ShardingILP:
             if node.target is GETITEM:
                 src, idx = node.args[0], node.args[1]
                 outs = self.outputs_of(src)
-                self.options[node] = [OpSpec((), o[idx] if not is_placements(o) else o, "getitem")
+                self.options[node] = [OpSpec((), o[idx] if not is_placements(o) else o, RuleKind.GETITEM)
                                       for o in outs]
                 for j, o in enumerate(outs):
                     self.ties.append((node, j, src, o))
@@ -183,7 +187,7 @@ class ShardingILP:
             local = strided_factors(choices)
             strided_in = Strided(local, program) if local or program else NO_STRIDED
             specs = self.strategy(node, first, strided_in)
-            if specs and specs[0].source.startswith("dtensor:"):
+            if specs and specs[0].kind is RuleKind.DTENSOR:
                 # DTensor's rules enumerate from the inputs' current placements: ask once per
                 # placement each input can take (others at their first), and take the union
                 for k, opts in enumerate(choices):
@@ -197,8 +201,8 @@ class ShardingILP:
                 # a base OpSpec this node cannot take (two axes' choices clash): the node is free
                 specs = [sp for sp in specs if _agrees(sp, keep, self.free_axis)] or specs
             if not specs:
-                specs = [replicated_spec(node, ndim, "fallback")]
-            self.options[node] = specs = specs[:MAX_OPTIONS]
+                specs = [replicated_spec(node, ndim, RuleKind.FALLBACK)]
+            self.options[node] = specs = specs[:self.config.max_options]
             self._count(node, specs, targs)
 
     def _count(self, node: fx.Node, specs: list[OpSpec], targs: list[fx.Node]) -> None:
@@ -240,13 +244,13 @@ class ShardingILP:
         def X(u, o):
             return [xi[(u, s)] for s, spec in enumerate(self.options[u]) if spec.output == o]
 
-        # _choose_one
+        # choose one
         for n in nodes:
             add_row([(xi[(n, s)], 1.0) for s in range(len(self.options[n]))], 1.0, 1.0)
-        # _ties
+        # ties
         for g, j, u, o in self.ties:
             add_row([(xi[(g, j)], 1.0)] + [(c, -1.0) for c in X(u, o)], 0.0, 0.0)
-        # _edges: per consumer slot a transportation flow e[o,r] between the producer's output
+        # edges: per consumer slot a transportation flow e[o,r] between the producer's output
         # choice and the consumer's input requirement (tight, unlike y >= X + Z - 1); one
         # y[u,o,r] >= e[o,r] per (value, from, to) is what the objective pays, shared by all
         # consumers because lowering redistributes a value once per target placement.
@@ -294,11 +298,11 @@ class ShardingILP:
                         yi[key] = new_var(c)
                     add_row([(yi[key], 1.0), (ev, -1.0)], 0.0, np.inf)
         cost.extend(extra_cost)
-        # _objective: compute, and outputs to their required placements
+        # objective: compute, and outputs to their required placements
         for n in nodes:
             if n.op == "call_function" and has_node_cost(n):
                 for s, spec in enumerate(self.options[n]):
-                    cost[xi[(n, s)]] += node_cost(n, spec, self.mesh_shape)
+                    cost[xi[(n, s)]] += node_cost(n, spec, self.mesh_shape, self.config)
         for i, o in enumerate(self.outs):
             if not isinstance(o, fx.Node) or o not in self.options:
                 continue

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 import dynamo_dist
 from dynamo_dist import (DistCompileError, compile_records, disable_manual_sharding,
                          enable_manual_sharding, local_map, mark_sharding, with_sharding_constraint)
-from dynamo_dist.conformance.simulate import run_spmd
+from dynamo_dist.testing.conformance.simulate import run_spmd
 from dynamo_dist.plans import PartitionSpec, ShardingPlan, shard_module
 from inductor_passes.core.compat import StridedShard
 

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from dynamo_dist.models import LlamaSize, build_llama, token_batch
+from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
 
 
 def main() -> None:

@@ -17,18 +17,17 @@ import sys
 
 import torch
 import torch.distributed as dist
-from mp_exit import finish  # noqa: E402
-from parity import full, grad_rel  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh
-
-from dynamo_dist import clear_compile_records, compile_records  # noqa: E402
-from dynamo_dist.testing.torchtitan import collectives  # noqa: E402
-from inductor_passes.core.compat import graph_break_reasons  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from mp_exit import finish  # noqa: E402
+from parity import full, grad_rel  # noqa: E402
 
+from dynamo_dist import clear_compile_records, compile_records  # noqa: E402
+from inductor_passes.core.compat import graph_break_reasons  # noqa: E402
+from dynamo_dist.testing.torchtitan import collectives  # noqa: E402
 
 
 def hf_tensor_parallel(model, mesh):

@@ -11,10 +11,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from dynamo_dist.conformance.simulate import strided_indices
 from inductor_passes.core.compat import StridedShard
-from inductor_passes.core.placements import fmt, local_shape, shard_range, valid_for
+from dynamo_dist.testing.conformance.simulate import strided_indices
 from inductor_passes.redistribute import mesh_axes, redistribute
+from inductor_passes.sharding.placements import fmt, local_shape, shard_range, valid_for
 
 
 def local_of(full, placements, mesh, axes):

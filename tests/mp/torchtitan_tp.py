@@ -15,17 +15,16 @@ import sys
 
 import torch
 import torch.distributed as dist
-from mp_exit import finish  # noqa: E402
-from parity import grad_rel  # noqa: E402
-
-from dynamo_dist import clear_compile_records, compile_records  # noqa: E402
-from dynamo_dist.testing import torchtitan as titan  # noqa: E402
-from inductor_passes.core.compat import graph_break_reasons  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from mp_exit import finish  # noqa: E402
+from parity import grad_rel  # noqa: E402
 
+from dynamo_dist import clear_compile_records, compile_records  # noqa: E402
+from inductor_passes.core.compat import graph_break_reasons  # noqa: E402
+from dynamo_dist.testing import torchtitan as titan  # noqa: E402
 
 STEPS = 5
 

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from dynamo_dist.demo import parse_mesh
-from dynamo_dist.models import ConvNet, LlamaSize, build_llama, image_batch, token_batch
+from dynamo_dist.testing.demo import parse_mesh
+from dynamo_dist.testing.models import ConvNet, LlamaSize, build_llama, image_batch, token_batch
 from dynamo_dist.plans import (DataParallelPlanner, ShardingPlan, TensorParallelPlanner,
                                shard_module)
 

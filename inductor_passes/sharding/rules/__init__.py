@@ -33,10 +33,11 @@ from ...core import compat  # noqa: F401  (its Inductor imports register the pri
 from ...core.ops import MATMUL_ND
 from ...core.placements import (Placements, is_placements, replicate, shard_range, shard_twin,
                                 strided_factors)
-from ..cost import ATTENTION_OPS, BYTES_PER_FLOP, MATMUL_OPS, node_compute_cost
+from ..config import DEFAULT, PlannerConfig
+from ..cost import ATTENTION_OPS, MATMUL_OPS, node_compute_cost
 from .attention import ATTENTION, attention_strategy
-from .base import (GETITEM, AxisOption, OpSpec, expand_multi_output, expand_to_mesh,
-                   replicated_spec, tensor_args, val_shape)
+from .base import (GETITEM, AxisOption, OpSpec, RuleKind, RuleSource, expand_multi_output,
+                   expand_to_mesh, replicated_spec, tensor_args, val_shape)
 from .conv import CONV, conv_flops, conv_strategy
 from .dtensor import dtensor_strategy
 from .embedding import EMBEDDING, embedding_strategy, local_impl
@@ -49,7 +50,7 @@ from .pointwise import REVERSE, is_pointwise, is_random, pointwise_strategy, rev
 from .pool import PLANNED_WHOLE, POOL, pool_strategy
 from .strided import RESHAPES, Strided, with_strided
 
-__all__ = ["GETITEM", "AxisOption", "OpSpec", "Strided", "expand_multi_output",
+__all__ = ["GETITEM", "AxisOption", "OpSpec", "RuleKind", "RuleSource", "Strided", "expand_multi_output",
            "expand_to_mesh", "PLANNED_WHOLE", "has_node_cost", "is_pointwise", "is_random",
            "local_impl", "node_cost", "op_strategy", "replicated_spec", "tensor_args", "val_shape"]
 
@@ -94,9 +95,11 @@ def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: 
 
 
 # rules whose kernels compute right on an empty local piece (0 rows of a matmul, of a sum)
-_EMPTY_OK = ("pointwise", "einsum:", "reverse", "slice_scatter", "index_put", "scatter",
-             "gather", "histc", "cumsum", "grouped_mm_fallback", "masked_index", "moments",
-             "embedding")
+_EMPTY_OK = frozenset({
+    RuleKind.POINTWISE, RuleKind.EINSUM, RuleKind.REVERSE, RuleKind.SLICE_SCATTER,
+    RuleKind.INDEX_PUT, RuleKind.INDEX_PUT_ACCUMULATE, RuleKind.SCATTER, RuleKind.GATHER,
+    RuleKind.HISTC, RuleKind.CUMSUM, RuleKind.GROUPED_MM_FALLBACK, RuleKind.MASKED_INDEX,
+    RuleKind.MOMENTS, RuleKind.EMBEDDING, RuleKind.VOCAB_EMBEDDING})
 
 
 def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> bool:
@@ -112,7 +115,7 @@ def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> b
 
     The same rule with an even split is DTensor's, so nothing else changes for uneven pieces.
     """
-    if spec.source in ("constraint", "input", "manual"):
+    if spec.kind in (RuleKind.CONSTRAINT, RuleKind.INPUT, RuleKind.MANUAL):
         return True  # the user's own placements
     pairs = [(val_shape(a), p) for a, p in zip(tensor_args(node), spec.inputs)]
     n_in = len(pairs)
@@ -128,7 +131,7 @@ def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> b
             continue
         if len(sizes) > 1:
             return False
-        if shard_range(sizes.pop(), n, n - 1)[1] == 0 and not spec.source.startswith(_EMPTY_OK):
+        if shard_range(sizes.pop(), n, n - 1)[1] == 0 and spec.kind not in _EMPTY_OK:
             return False
         split_in = any(type(p[axis]) is Shard for _, p in pairs[:n_in])
         if split_in and any(isinstance(p[axis], Partial) and p[axis].reduce_op != "sum"
@@ -178,10 +181,10 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
     op = node.target
     ndim = len(mesh_shape)
     if node.op == "get_attr":  # a tensor constant the trace captured (torch.tensor(0.) ...)
-        return [replicated_spec(node, ndim, "constant")]
+        return [replicated_spec(node, ndim, RuleKind.CONSTANT)]
     pinned = constraint_of(node)
     if pinned is not None:
-        return [OpSpec((pinned,), pinned, "constraint")]
+        return [OpSpec((pinned,), pinned, RuleKind.CONSTRAINT)]
     manual = manual_strategy(node, ndim)
     if manual is not None:
         return [manual]
@@ -189,13 +192,13 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
         # Random draws (bernoulli for dropout, rand, normal, ...) run replicated: every rank draws
         # the GLOBAL tensor from its own generator and consumers slice it. With the same seed on
         # every rank this gives the same numbers as one device; a sharded draw would not.
-        return [replicated_spec(node, ndim, "random")]
+        return [replicated_spec(node, ndim, RuleKind.RANDOM)]
     if not tensor_args(node):
-        return [replicated_spec(node, ndim, "factory")]
+        return [replicated_spec(node, ndim, RuleKind.FACTORY)]
     if node.meta.get("val") is None:
         # an op with no tensor result checks its inputs (aten._linalg_check_errors raises on a
         # nonzero info): it reads the whole value on every rank, so all ranks raise together
-        return [replicated_spec(node, ndim, "check")]
+        return [replicated_spec(node, ndim, RuleKind.CHECK)]
     if op in EINSUM:
         return einsum_strategy(node, EINSUM[op], mesh_shape)
     if op is MATMUL_ND:
@@ -234,18 +237,19 @@ def has_node_cost(node: fx.Node) -> bool:
         op in ATTENTION_OPS
 
 
-def node_cost(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> float:
+def node_cost(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int],
+              config: PlannerConfig = DEFAULT) -> float:
     """What running ``node`` under ``spec`` costs one rank besides its input redistributes
     (bytes-equivalent, ``cost``'s unit): matmul and fused-attention flops
     (``cost.node_compute_cost``), convolution flops, split over the mesh axes the OpSpec splits
     the work on, and collectives an OpSpec runs inside the op (a variance over a split dim:
-    ``moments.in_op_cost``)."""
+    ``moments.in_op_cost``). ``config``: the prices (bytes per flop, collective latency)."""
     if node.target in CONV:
         degree = 1
         for axis, n in enumerate(mesh_shape):  # work is split where any operand is
             if any(type(p[axis]) is Shard or isinstance(p[axis], Partial) for p in spec.inputs):
                 degree *= n
-        return conv_flops(node) / degree * BYTES_PER_FLOP
+        return conv_flops(node) / degree * config.bytes_per_flop
     if node.target in MOMENTS:
-        return in_op_cost(node, spec, mesh_shape)
-    return node_compute_cost(node, spec.output, mesh_shape)
+        return in_op_cost(node, spec, mesh_shape, config)
+    return node_compute_cost(node, spec.output, mesh_shape, config)

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from .base import OpSpec, expand_multi_output, expand_per_axis, val_shape
+from .base import OpSpec, RuleKind, expand_multi_output, expand_per_axis, val_shape
 
 aten = torch.ops.aten
 FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -81,7 +81,7 @@ def attention_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]
     if len(q) != 4 or len(k) != 4 or len(v) != 4 or not k[0] == v[0] == q[0] or \
             k[1] != v[1] or k[1] == 0 or q[1] % k[1] or \
             (mask is not None and len(mask) not in (2, 4)):
-        return expand_multi_output([rep_option], mesh_shape, in_shapes, out_shapes, "attention")
+        return expand_multi_output([rep_option], mesh_shape, in_shapes, out_shapes, RuleKind.ATTENTION)
     batch, hq, hkv = q[0], q[1], k[1]
 
     def mask_placement(d: int, size: int) -> Placement:
@@ -103,4 +103,4 @@ def attention_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]
         elif hkv == 1:
             options.append(option(Shard(1), Replicate(), mask_placement(1, hq), Partial("sum")))
         per_axis.append(options)
-    return expand_per_axis(per_axis, mesh_shape, in_shapes, out_shapes, "attention")
+    return expand_per_axis(per_axis, mesh_shape, in_shapes, out_shapes, RuleKind.ATTENTION)

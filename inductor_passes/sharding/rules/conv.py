@@ -24,7 +24,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from .base import AxisOption, OpSpec, expand_multi_output, expand_to_mesh, tensor_args, val_shape
+from .base import (AxisOption, OpSpec, RuleKind, expand_multi_output, expand_to_mesh, tensor_args,
+                   val_shape)
 
 aten = torch.ops.aten
 CONV = {aten.convolution.default, aten.convolution_backward.default}
@@ -60,7 +61,7 @@ def _forward(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
         w_out, w_in = _weight_dims(transposed)
         options.append(opt(R, Shard(w_out), Shard(0), Shard(1)))
         options.append(opt(Shard(1), Shard(w_in), P, P))
-    return expand_to_mesh(options, mesh_shape, shapes, val_shape(node), "conv")
+    return expand_to_mesh(options, mesh_shape, shapes, val_shape(node), RuleKind.CONV)
 
 
 def _backward(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
@@ -84,7 +85,7 @@ def _backward(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
         w_out, w_in = _weight_dims(transposed)
         options.append(((Shard(1), R, Shard(w_out)), (P, Shard(w_out), Shard(0))))
         options.append(((R, Shard(1), Shard(w_in)), (Shard(1), Shard(w_in), R)))
-    return expand_multi_output(options, mesh_shape, shapes, out_shapes, "conv")
+    return expand_multi_output(options, mesh_shape, shapes, out_shapes, RuleKind.CONV)
 
 
 def conv_flops(node: fx.Node) -> float:

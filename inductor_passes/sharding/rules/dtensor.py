@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from inductor_passes.core import compat
 
 from ...core.placements import Placements, is_placements, normalize, valid_for
-from .base import OpSpec, tensor_args
+from .base import OpSpec, RuleKind, RuleSource, tensor_args
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def dtensor_strategy(node: fx.Node, current: Sequence[Placements], mesh,
             ins = tuple(normalize(spec.placements, len(sh))
                         for spec, sh in zip(s.input_specs, in_shapes))
         if all(valid_for(sh, p, mesh_shape) for sh, p in zip(in_shapes, ins)):
-            specs.append(OpSpec(ins, out, f"dtensor:{op}"))
+            specs.append(OpSpec(ins, out, RuleSource(RuleKind.DTENSOR, str(op))))
     return specs
 
 

@@ -33,12 +33,10 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ...core.placements import Placements, shard_range
-from .base import OpSpec, expand_to_mesh, node_arg, val_shape
+from .base import OpSpec, RuleKind, expand_to_mesh, node_arg, val_shape
 
 aten = torch.ops.aten
 EMBEDDING = {aten.embedding.default, aten.embedding_dense_backward.default}
-SOURCE = "embedding"
-VOCAB_SOURCE = "embedding:vocab"
 P, R = Partial("sum"), Replicate()
 
 
@@ -58,10 +56,10 @@ def embedding_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]
         if not node_arg(node, 4, "scale_grad_by_freq", False):
             options += [((Shard(d), Shard(d)), P) for d in range(k)]
             vocab = [((R, R), Shard(0))]
-    specs = expand_to_mesh(options + vocab, mesh_shape, shapes, out, SOURCE)
+    specs = expand_to_mesh(options + vocab, mesh_shape, shapes, out, RuleKind.EMBEDDING)
     split = [s for s in specs if _vocab_axes(node, s)]  # lowered by local_impl: tagged
     return [s for s in specs if s not in split] + \
-        [OpSpec(s.inputs, s.output, VOCAB_SOURCE) for s in split]
+        [OpSpec(s.inputs, s.output, RuleKind.VOCAB_EMBEDDING) for s in split]
 
 
 def _vocab_axes(node: fx.Node, spec: OpSpec) -> list[int]:
@@ -87,7 +85,7 @@ def local_impl(node: fx.Node, spec: OpSpec) -> Callable | None:
     """The local computation of ``spec`` on one rank where it is not the op itself (the
     vocabulary split), else None. The callable takes (local args, kwargs, mesh_shape,
     coordinate) and returns the LOCAL result."""
-    if node.target not in EMBEDDING or spec.source != VOCAB_SOURCE:
+    if node.target not in EMBEDDING or spec.kind is not RuleKind.VOCAB_EMBEDDING:
         return None
     vocab = node.args[0].meta["val"].shape[0] if node.target is aten.embedding.default \
         else node.meta["val"].shape[0]

@@ -32,7 +32,7 @@ from typing import Sequence
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .base import OpSpec, expand_multi_output, expand_to_mesh, tensor_args, val_shape
+from .base import OpSpec, RuleKind, expand_multi_output, expand_to_mesh, tensor_args, val_shape
 
 P = Partial("sum")
 R = Replicate()
@@ -72,7 +72,7 @@ def grouped_mm_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec
     rest = (R,) * (len(targs) - 2)  # offs: always whole
     options = [((R, R, *rest), R), ((P, R, *rest), P), ((R, P, *rest), P)]
     options += [((pa, pb, *rest), out) for (pa, pb), out in _FORMS[form]]
-    specs = expand_to_mesh(options, mesh_shape, shapes, val_shape(node), "grouped_mm")
+    specs = expand_to_mesh(options, mesh_shape, shapes, val_shape(node), RuleKind.GROUPED_MM)
     if name == ATEN:
         specs = [s for s in specs if _aligned(shapes + [val_shape(node)],
                                               [*s.inputs, s.output], targs[0], mesh_shape)]
@@ -92,7 +92,7 @@ def _fallback_backward(node: fx.Node, shapes, mesh_shape) -> list[OpSpec]:
         ((P, R, R, R), (R, P)),                               # grad_weight linear in input
         ((R, P, R, R), (P, R)),                               # grad_input linear in weight
     ]
-    return expand_multi_output(options, mesh_shape, shapes, out_shapes, "grouped_mm_fallback")
+    return expand_multi_output(options, mesh_shape, shapes, out_shapes, RuleKind.GROUPED_MM_FALLBACK)
 
 
 def _aligned(shapes, placements, a: fx.Node, mesh_shape) -> bool:

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from .base import AxisOption, OpSpec, expand_to_mesh, node_arg, tensor_args, val_shape
+from .base import AxisOption, OpSpec, RuleKind, expand_to_mesh, node_arg, tensor_args, val_shape
 
 aten = torch.ops.aten
 P = Partial("sum")
@@ -64,7 +64,7 @@ def slice_scatter_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpS
         if d != dim:
             options.append(((Shard(d), Shard(d)), Shard(d)))
     options.append(((Partial("sum"), Partial("sum")), Partial("sum")))
-    return expand_to_mesh(options, mesh_shape, [shape, src_shape], shape, "slice_scatter")
+    return expand_to_mesh(options, mesh_shape, [shape, src_shape], shape, RuleKind.SLICE_SCATTER)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def index_put_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]
             vp = _along(v_shape, r_ndim, p + bd, size)
             if size > 1 and vp is not None:
                 options.append(((P, *_index_split(i_shapes, len(bshape), bd), vp), P))
-    return _expand(node, options, mesh_shape, "index_put")
+    return _expand(node, options, mesh_shape, RuleKind.INDEX_PUT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def masked_index_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSp
             options.append(((R, mp, *_index_split(i_shapes, len(bshape), bd)), Shard(p + bd)))
     if fill == 0:
         options.append(((P, R, *([R] * n_idx)), P))
-    return _expand(node, options, mesh_shape, "masked_index")
+    return _expand(node, options, mesh_shape, RuleKind.MASKED_INDEX)
 
 
 def masked_index_put_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
@@ -190,7 +190,7 @@ def masked_index_put_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[
         if size > 1 and mp is not None and vp is not None:
             options.append(((P, mp, *_index_split(i_shapes, len(bshape), bd), vp), P))
     options.append(((P, R, *([R] * n_idx), P), P))
-    return _expand(node, options, mesh_shape, "index_put_accumulate")
+    return _expand(node, options, mesh_shape, RuleKind.INDEX_PUT_ACCUMULATE)
 
 
 def _layout(self_n, indices):
@@ -277,7 +277,7 @@ def scatter_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
     linear = op in (aten.scatter.src, aten.scatter_add.default) or reduce in ("sum", "mean")
     if linear and src_n is not None:
         options.append(((P, R, P), P))
-    return _expand(node, options, mesh_shape, "scatter")
+    return _expand(node, options, mesh_shape, RuleKind.SCATTER)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +302,7 @@ def gather_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
     for d in range(len(i_shape)):
         if d != dim and s_shape[d] == i_shape[d]:
             options.append(((Shard(d), Shard(d)), Shard(d)))
-    return _expand(node, options, mesh_shape, "gather")
+    return _expand(node, options, mesh_shape, RuleKind.GATHER)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def histc_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
     options: list[AxisOption] = [((R,), R)]
     if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo < hi:
         options += [((Shard(d),), P) for d in range(len(shape))]
-    return _expand(node, options, mesh_shape, "histc")
+    return _expand(node, options, mesh_shape, RuleKind.HISTC)
 
 
 def cumsum_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
@@ -330,7 +330,7 @@ def cumsum_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
     dim = node.args[1] % max(len(shape), 1)
     options: list[AxisOption] = [((R,), R), ((P,), P)]
     options += [((Shard(d),), Shard(d)) for d in range(len(shape)) if d != dim]
-    return _expand(node, options, mesh_shape, "cumsum")
+    return _expand(node, options, mesh_shape, RuleKind.CUMSUM)
 
 
 INDEXING = {aten.index_put.default: index_put_strategy, aten.gather.default: gather_strategy,

@@ -8,7 +8,7 @@ from torch.distributed.tensor.placement_types import Replicate
 
 from ...core import roles
 from ...core.annotation_ops import ENTER_OP, EXIT_OP, decode_spec
-from .base import OpSpec, replicated_spec
+from .base import OpSpec, RuleKind, replicated_spec
 
 
 def manual_strategy(node: fx.Node, ndim_mesh: int) -> OpSpec | None:
@@ -18,10 +18,10 @@ def manual_strategy(node: fx.Node, ndim_mesh: int) -> OpSpec | None:
 
     rep = tuple(Replicate() for _ in range(ndim_mesh))
     if node.target is ENTER_OP:
-        return OpSpec((decode_spec(node.args[1])[1],), rep, "manual")
+        return OpSpec((decode_spec(node.args[1])[1],), rep, RuleKind.MANUAL)
     if node.target is EXIT_OP:
-        return OpSpec((rep,), decode_spec(node.args[1])[1], "manual")
+        return OpSpec((rep,), decode_spec(node.args[1])[1], RuleKind.MANUAL)
     if node.meta.get(roles.MANUAL):
-        return replicated_spec(node, ndim_mesh, "manual")
+        return replicated_spec(node, ndim_mesh, RuleKind.MANUAL)
     return None
 

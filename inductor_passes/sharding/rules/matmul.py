@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .base import AxisOption, OpSpec, expand_to_mesh, tensor_args, val_shape
+from .base import AxisOption, OpSpec, RuleKind, RuleSource, expand_to_mesh, tensor_args, val_shape
 
 aten = torch.ops.aten
 
@@ -33,5 +33,5 @@ def einsum_strategy(node: fx.Node, equation: str, mesh_shape: Sequence[int]) -> 
     options.append(((Replicate(), Partial("sum")), Partial("sum")))
     targs = tensor_args(node)
     return expand_to_mesh(options, mesh_shape, [val_shape(a) for a in targs], val_shape(node),
-                          "einsum:" + equation)
+                          RuleSource(RuleKind.EINSUM, equation))
 

@@ -30,8 +30,9 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from ...core.placements import Placements
+from ..config import DEFAULT, PlannerConfig
 from ..cost import redistribute_cost
-from .base import OpSpec, expand_multi_output, expand_to_mesh, val_shape
+from .base import OpSpec, RuleKind, expand_multi_output, expand_to_mesh, val_shape
 
 aten = torch.ops.aten
 MOMENTS = {aten.var_mean.correction, aten.var.correction}
@@ -69,8 +70,8 @@ def moments_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
     if isinstance(val, (tuple, list)):
         out_shapes = [tuple(v.shape) for v in val]
         return expand_multi_output([(ins, tuple(out for _ in out_shapes)) for ins, out in options],
-                                   mesh_shape, [shape], out_shapes, "moments")
-    return expand_to_mesh(options, mesh_shape, [shape], tuple(val.shape), "moments")
+                                   mesh_shape, [shape], out_shapes, RuleKind.MOMENTS)
+    return expand_to_mesh(options, mesh_shape, [shape], tuple(val.shape), RuleKind.MOMENTS)
 
 
 def _stat_placements(node: fx.Node, x_placements: Placements) -> tuple[Placements, Placements]:
@@ -86,13 +87,14 @@ def _stat_placements(node: fx.Node, x_placements: Placements) -> tuple[Placement
 def splits_reduced_dim(node: fx.Node, spec: OpSpec) -> bool:
     """True for an OpSpec of ``MOMENTS`` that reduces over a split dim (lowered by
     ``lower_split``, with collectives inside the op)."""
-    if node.target not in MOMENTS or spec.source != "moments":
+    if node.target not in MOMENTS or spec.kind is not RuleKind.MOMENTS:
         return False
     partial, _ = _stat_placements(node, spec.inputs[0])
     return any(isinstance(p, Partial) for p in partial)
 
 
-def in_op_cost(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> float:
+def in_op_cost(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int],
+               config: PlannerConfig = DEFAULT) -> float:
     """Bytes-equivalent of the two all_reduces ``lower_split`` runs (0 for other OpSpecs)."""
     if not splits_reduced_dim(node, spec):
         return 0.0
@@ -100,7 +102,7 @@ def in_op_cost(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> float:
     dims = _dims(node, x.ndim)
     stat = tuple(1 if d in dims else s for d, s in enumerate(x.shape))
     partial, full = _stat_placements(node, spec.inputs[0])
-    return 2 * redistribute_cost(stat, x.dtype, partial, full, mesh_shape)
+    return 2 * redistribute_cost(stat, x.dtype, partial, full, mesh_shape, config=config)
 
 
 Reduce = Callable[[torch.Tensor, Placements, Placements, tuple[int, ...]], torch.Tensor]

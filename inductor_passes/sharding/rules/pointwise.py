@@ -13,7 +13,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from .base import AxisOption, OpSpec, expand_multi_output, expand_to_mesh, tensor_args, val_shape
+from .base import (AxisOption, OpSpec, RuleKind, expand_multi_output, expand_to_mesh, tensor_args,
+                   val_shape)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -42,7 +43,7 @@ def reverse_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
     dims = {d % max(len(shape), 1) for d in node.args[REVERSE[node.target]]}
     options: list[AxisOption] = [((Replicate(),), Replicate()), ((Partial(),), Partial())]
     options += [((Shard(d),), Shard(d)) for d in range(len(shape)) if d not in dims]
-    return expand_to_mesh(options, mesh_shape, [shape], shape, "reverse")
+    return expand_to_mesh(options, mesh_shape, [shape], shape, RuleKind.REVERSE)
 
 
 def is_random(op) -> bool:
@@ -98,7 +99,7 @@ def pointwise_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]
     for group in _linear_sets(node, n):
         ins = tuple(Partial("sum") if i in group else Replicate() for i in range(n))
         options.append((ins, Partial("sum")))
-    return expand_to_mesh(options, mesh_shape, in_shapes, out_shape, "pointwise")
+    return expand_to_mesh(options, mesh_shape, in_shapes, out_shape, RuleKind.POINTWISE)
 
 
 def _pointwise_multi_output(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
@@ -110,7 +111,7 @@ def _pointwise_multi_output(node: fx.Node, mesh_shape: Sequence[int]) -> list[Op
     for d in range(len(out_shapes[0])):
         options.append((_broadcast_shards(in_shapes, out_shapes[0], d),
                         tuple(Shard(d) for _ in out_shapes)))
-    return expand_multi_output(options, mesh_shape, in_shapes, out_shapes, "pointwise")
+    return expand_multi_output(options, mesh_shape, in_shapes, out_shapes, RuleKind.POINTWISE)
 
 
 def _broadcast_shards(in_shapes, out_shape, d: int) -> tuple[Placement, ...]:

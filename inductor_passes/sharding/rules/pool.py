@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .base import OpSpec, expand_multi_output, tensor_args, val_shape
+from .base import OpSpec, RuleKind, expand_multi_output, tensor_args, val_shape
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -79,7 +79,7 @@ def pool_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:
         options.append((ins, tuple(Shard(d) for _ in range(n_out))))
     if linear:
         options.append(((P,) + tuple(R for _ in targs[1:]), tuple(P for _ in range(n_out))))
-    specs = expand_multi_output(options, mesh_shape, shapes, out_shapes, "pool")
+    specs = expand_multi_output(options, mesh_shape, shapes, out_shapes, RuleKind.POOL)
     if isinstance(val, (tuple, list)):
         return specs
     return [OpSpec(s.inputs, s.output[0], s.source) for s in specs]

@@ -44,7 +44,7 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from ...core.placements import Placements, is_placements, is_strided, strided, valid_for
-from .base import OpSpec, node_arg, replicated_spec, tensor_args, val_shape
+from .base import OpSpec, RuleKind, RuleSource, node_arg, replicated_spec, tensor_args, val_shape
 
 aten = torch.ops.aten
 
@@ -69,7 +69,9 @@ NONE = Strided()
 # hold for any consistent index subset of a split dim; see the module doc
 # grouped GEMMs: their N, K, M and batch splits are index-wise like a matmul's; the dims offs
 # cuts into groups are never split by the rule, so never lifted either
-_LIFTED_SOURCES = ("pointwise", "reverse", "einsum:", "slice_scatter", "grouped_mm")
+_LIFTED_KINDS = frozenset({RuleKind.POINTWISE, RuleKind.REVERSE, RuleKind.EINSUM,
+                           RuleKind.SLICE_SCATTER, RuleKind.GROUPED_MM,
+                           RuleKind.GROUPED_MM_FALLBACK})
 _LIFTED_DTENSOR = {
     # renumbering / index-preserving views
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
@@ -96,9 +98,9 @@ _VIEW_FACTOR_OPS = {aten.bmm.default, aten.baddbmm.default, aten.permute.default
 
 
 def _liftable(node: fx.Node, spec: OpSpec) -> bool:
-    if spec.source.startswith(_LIFTED_SOURCES):
+    if spec.kind in _LIFTED_KINDS:
         return True
-    return spec.source.startswith("dtensor:") and \
+    return spec.kind is RuleKind.DTENSOR and \
         getattr(node.target, "_overloadpacket", None) is not None and \
         node.target._overloadpacket.__name__ in _LIFTED_DTENSOR
 
@@ -247,7 +249,7 @@ def _split(node, base, factors, mesh_shape) -> list[OpSpec]:
         for k in sorted(factors):
             m = _blocks(bounds, shape[d], k)
             if m is not None and all(b > 0 for b in m):
-                out.append(((strided(d, k),), [strided(d, b) for b in m], "strided:split"))
+                out.append(((strided(d, k),), [strided(d, b) for b in m], RuleSource(RuleKind.STRIDED, "split")))
         return out
 
     return _from_replicated(node, base, mesh_shape, make)
@@ -291,7 +293,7 @@ def _block_cuts(node, base, factors, mesh_shape, shape, first: int, spec_of) -> 
 def _slice(node, base, factors, mesh_shape) -> list[OpSpec]:
     return _block_cuts(node, base, factors, mesh_shape, val_shape(node.args[0]), 1,
                        lambda d, k, blocks: ((strided(d, k),), [strided(d, blocks)],
-                                             "strided:slice"))
+                                             RuleSource(RuleKind.STRIDED, "slice")))
 
 
 def _cat(node, base, factors, mesh_shape) -> list[OpSpec]:
@@ -312,7 +314,7 @@ def _cat(node, base, factors, mesh_shape) -> list[OpSpec]:
         for k in sorted(factors):
             m = _blocks(bounds, out_shape[d], k)
             if m is not None and all(b > 0 for b in m):
-                out.append((tuple(strided(d, b) for b in m), [strided(d, k)], "strided:cat"))
+                out.append((tuple(strided(d, b) for b in m), [strided(d, k)], RuleSource(RuleKind.STRIDED, "cat")))
         return out
 
     return _from_replicated(node, base, mesh_shape, make)
@@ -323,7 +325,8 @@ def _slice_scatter(node, base, factors, mesh_shape) -> list[OpSpec]:
         return []
     return _block_cuts(node, base, factors, mesh_shape, val_shape(node), 2,
                        lambda d, k, blocks: ((strided(d, k), strided(d, blocks)),
-                                             [strided(d, k)], "strided:slice_scatter"))
+                                             [strided(d, k)],
+                                             RuleSource(RuleKind.STRIDED, "slice_scatter")))
 
 
 RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
@@ -336,7 +339,7 @@ def _new_factor_ok(node: fx.Node, spec: OpSpec, allowed: frozenset[int]) -> bool
     into the rows of a matrix ([B, T, H] -> [B*T, H], T split: every sequence split of a
     program) would offer a new layout for nearly every activation (measured on a Llama: +40%
     ILP flow variables for the same plan)."""
-    if not spec.source.startswith("dtensor:"):
+    if spec.kind is not RuleKind.DTENSOR:
         return True
     for shape, pls in zip(_out_shapes(node), _outputs(spec)):
         for p in pls or ():
@@ -354,7 +357,7 @@ def with_strided(node: fx.Node, specs: list[OpSpec], strided_in: Strided,
     specs = [s for s in specs if _new_factor_ok(node, s, allowed)]
     if not strided_in or not specs:
         return specs
-    base = specs + [replicated_spec(node, len(mesh_shape), "strided")]
+    base = specs + [replicated_spec(node, len(mesh_shape), RuleKind.STRIDED)]
     new = lift(node, specs, strided_in, mesh_shape) + \
         cut_options(node, base, strided_in, mesh_shape)
     return list(dict.fromkeys(specs + new))

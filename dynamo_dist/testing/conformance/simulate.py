@@ -16,7 +16,7 @@ from inductor_passes.core.placements import (Placements, is_placements, is_strid
                                              split_factor)
 from inductor_passes.lowering import lower
 
-from ..simulate import Groups, coordinates, run_lockstep
+from ...simulate import Groups, coordinates, run_lockstep
 
 __all__ = ["ReplicaMismatch", "coordinates", "run_spmd", "shard_global", "strided_indices",
            "unshard"]

@@ -1,8 +1,8 @@
 """Run the OpInfo conformance sweep and write its report.
 
-    python -m dynamo_dist.conformance                  # full sweep -> docs/op_coverage.md + JSON
-    python -m dynamo_dist.conformance --fast           # the CI subset (a few minutes)
-    python -m dynamo_dist.conformance --ops add mm     # chosen ops
+    python -m dynamo_dist.testing.conformance                  # full sweep -> docs/op_coverage.md + JSON
+    python -m dynamo_dist.testing.conformance --fast           # the CI subset (a few minutes)
+    python -m dynamo_dist.testing.conformance --ops add mm     # chosen ops
 
 Simulated ranks: a ``fake`` process group for compiling, lock-step execution for values (see
 simulate.py); meshes: 1-D of 4 and 2 x 2.
@@ -87,7 +87,7 @@ def _run_meshes_in_parallel(args, argv):
     tmp = tempfile.mkdtemp(prefix="op_coverage_")
     for mesh_text in args.meshes.split(","):
         path = os.path.join(tmp, f"{mesh_text}.json")
-        cmd = [sys.executable, "-m", "dynamo_dist.conformance", *argv, "--jobs", "1",
+        cmd = [sys.executable, "-m", "dynamo_dist.testing.conformance", *argv, "--jobs", "1",
                "--meshes", mesh_text, "--json", path, "--out", path + ".md"]
         procs.append(subprocess.Popen(cmd))
         paths.append(path)

@@ -1,8 +1,8 @@
 """The main job: train a small Llama with ``backend="dist"`` on CPU ranks and check it against one
 process.
 
-    python -m dynamo_dist.demo                  # tp=2 on 2 ranks (launches torchrun itself)
-    python -m dynamo_dist.demo --mesh dp=2,tp=2 # 4 ranks
+    python -m dynamo_dist.testing.demo                  # tp=2 on 2 ranks (launches torchrun itself)
+    python -m dynamo_dist.testing.demo --mesh dp=2,tp=2 # 4 ranks
 
 Prints per step the loss, the single-process reference loss and their difference; then compile
 time, median step time, the collective ledger of one step, the largest first-step gradient
@@ -29,9 +29,9 @@ import torch
 
 from inductor_passes.core.ledger import CollectiveLedger
 
-from .backend import compile_records
+from ..backend import compile_records
 from .models import LlamaSize, build_llama, token_batch
-from .plans import DataParallelPlanner, TensorParallelPlanner, shard_module
+from ..plans import DataParallelPlanner, TensorParallelPlanner, shard_module
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     world = math.prod(axes.values())
     if "RANK" not in os.environ:  # launch ourselves under torchrun
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               "-m", "dynamo_dist.demo", *(argv if argv is not None else sys.argv[1:])]
+               "-m", "dynamo_dist.testing.demo", *(argv if argv is not None else sys.argv[1:])]
         return subprocess.call(cmd)
     return run(args, axes)
 

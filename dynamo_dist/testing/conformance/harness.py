@@ -32,6 +32,7 @@ from inductor_passes.core import compat
 from inductor_passes.core.errors import DistCompileError
 from inductor_passes.core.placements import fmt, parse
 from inductor_passes.redistribute import local_coordinate
+from inductor_passes.sharding.rules import RuleKind
 
 from .simulate import ReplicaMismatch, coordinates, run_spmd, shard_global
 
@@ -224,7 +225,7 @@ def run_ours(op_fn, tensors: list[torch.Tensor], placements, mesh,
     n_mut = len(record.program.mutated_inputs)
     outs, written = outs[:len(outs) - n_mut], outs[len(outs) - n_mut:]
     want_written = [tensors[order[k]].detach() for k in record.program.mutated_inputs]
-    if any(n.source == "random" for n in record.plan.nodes.values()):  # seeded draws
+    if any(n.kind is RuleKind.RANDOM for n in record.plan.nodes.values()):  # seeded draws
         # Random draws are decomposed (exponential_ -> uniform + log), so eager's numbers are not
         # the compiled program's. Reference: the same global program on one device, same seed.
         ref_flat, want_written, ref_grads = _one_device(

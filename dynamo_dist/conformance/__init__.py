@@ -1,1 +1,0 @@
-"""OpInfo conformance harness (issue 4): ``python -m dynamo_dist.conformance --help``."""

@@ -1,0 +1,1 @@
+"""OpInfo conformance harness (issue 4): ``python -m dynamo_dist.testing.conformance --help``."""

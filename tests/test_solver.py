@@ -1,0 +1,81 @@
+"""The planner on its own (issue 16): hand-made global graphs whose optimal plan is known, solved
+by ``propagate`` (ILP and greedy walk) with no capture, lowering or compile around it."""
+
+import pytest
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from inductor_passes.core import roles
+from inductor_passes.sharding.config import PlannerConfig
+from inductor_passes.sharding.cost import compute_cost, redistribute_cost
+from inductor_passes.sharding.propagate import propagate
+
+R, F32 = Replicate(), torch.float32
+
+
+def _graph(fn, *shapes):
+    """``fn`` traced on fakes of ``shapes``, its placeholders named as capture names primals."""
+    gm = make_fx(fn, tracing_mode="fake")(*(torch.randn(s) for s in shapes))
+    for k, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        node.name = roles.primal_name(k)
+    gm.recompile()
+    return gm
+
+
+def _plan(gm, mesh, placements, config=PlannerConfig(), origins=()):
+    return propagate(gm, mesh, placements, 1, [], [], lambda n: None, origins, config=config)
+
+
+@pytest.mark.parametrize("method", ["ilp", "greedy"])
+def test_megatron_pair_is_one_all_reduce(fake_mesh, method):
+    """Column- then row-parallel weights (Megatron-LM's MLP): both matmuls run locally and the
+    only collective is the all_reduce of the output, so the plan's cost is that all_reduce plus
+    the two matmuls' flops split over the mesh axis: the optimum, as no plan moves less."""
+    mesh = fake_mesh((2,), ("tp",))
+    b, d, h = 8, 16, 32
+    gm = _graph(lambda x, w1, w2: (torch.relu(x @ w1) @ w2,), (b, d), (d, h), (h, d))
+    plan = _plan(gm, mesh, [(R,), (Shard(1),), (Shard(0),)], PlannerConfig(method=method))
+    outs = {name: n.output for name, n in plan.nodes.items() if n.op != "output"}
+    assert outs["mm"] == (Shard(1),) and outs["relu"] == (Shard(1),)
+    assert outs["mm_1"] == (Partial(),)
+    all_reduce = redistribute_cost((b, d), F32, (Partial(),), (R,), (2,))
+    assert plan.nodes["output"].cost == pytest.approx(all_reduce)
+    if method == "ilp":  # the ILP's objective also counts the flops
+        flops = compute_cost("aten.mm.default", (b, h), d, (Shard(1),), (2,)) + \
+            compute_cost("aten.mm.default", (b, d), h, (Partial(),), (2,))
+        assert plan.total_cost == pytest.approx(all_reduce + flops)
+
+
+def test_param_gather_factor_decides_gather_weight_or_activation(fake_mesh):
+    """A column-parallel matmul feeding a softmax over the split dim: move the activation (an
+    all_to_all of 4 KiB per rank to split the rows instead) or gather the weight (256 B, but a
+    gathered parameter stays resident, priced x ``param_gather_factor``). At the default (3)
+    the activation moves and the weight stays split; at 1 the smaller weight is gathered."""
+    mesh = fake_mesh((2,), ("tp",))
+    b, d, h = 64, 4, 32
+    gm = _graph(lambda x, w: (torch.softmax(x @ w, -1),), (b, d), (d, h))
+    origins = [roles.InputOrigin(roles.InputKind.PLAIN, "x"),
+               roles.InputOrigin(roles.InputKind.DTENSOR, "w")]
+    default = _plan(gm, mesh, [(R,), (Shard(1),)], origins=origins)
+    assert default.nodes["mm"].inputs[1] == (Shard(1),)
+    assert default.nodes["_softmax"].inputs[0] != (Shard(1),)  # softmax's dim is whole
+    cheap = _plan(gm, mesh, [(R,), (Shard(1),)], PlannerConfig(param_gather_factor=1.0), origins)
+    assert cheap.nodes["mm"].inputs[1] == (R,)
+    assert cheap.total_cost < default.total_cost
+
+
+def test_a_pinned_layout_costs_the_collectives_it_forces(fake_mesh):
+    """Row-parallel first (weights in the wrong order for Megatron): the first matmul's output
+    is Partial, relu is not linear, so it must be reduced before relu; the plan pays at least
+    that all_reduce, and no more than the naive plan that gathers both weights."""
+    mesh = fake_mesh((2,), ("tp",))
+    b, d, h = 8, 16, 32
+    gm = _graph(lambda x, w1, w2: (torch.relu(x @ w1) @ w2,), (b, d), (d, h), (h, d))
+    plan = _plan(gm, mesh, [(R,), (Shard(0),), (Shard(1),)])
+    assert plan.nodes["relu"].inputs[0] != (Partial(),)
+    gather_weights = redistribute_cost((d, h), F32, (Shard(0),), (R,), (2,)) + \
+        redistribute_cost((h, d), F32, (Shard(1),), (R,), (2,)) + \
+        compute_cost("aten.mm.default", (b, h), d, (R,), (2,)) + \
+        compute_cost("aten.mm.default", (b, d), h, (R,), (2,))
+    assert plan.total_cost <= gather_weights + 1e-6
