@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
+import dataclasses
 import glob
 import json
 import logging
@@ -193,50 +193,6 @@ class _PlannerLog(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _instrument_planner(events: list[dict]):
-    """Wrap the planner's stages with timers (behaviour unchanged): each ILP build+solve, the
-    greedy walk, the separable start."""
-    import inductor_passes.sharding.propagate as P
-
-    orig_ilp, orig_walk, orig_sep = P._solve_ilp, P._Walk.run, P._separable_start
-
-    @functools.wraps(orig_ilp)
-    def solve_ilp(gm, mesh, *a, base=None, free_axis=None, **k):
-        t = time.perf_counter()
-        r = orig_ilp(gm, mesh, *a, base=base, free_axis=free_axis, **k)
-        ndim = len(tuple(mesh.shape))
-        if ndim == 1:
-            what = f"per-axis start ILP ({(mesh.mesh_dim_names or ('?',))[0]})"
-        elif base is None:
-            what = "joint N-D ILP"
-        elif free_axis == -1:
-            what = "price the start plan (all axes fixed)"
-        else:
-            what = f"descent ILP, free axis {free_axis}"
-        events.append({"stage": what, "seconds": time.perf_counter() - t,
-                       "solved": r is not None,
-                       "objective": None if r is None else r.total_cost})
-        return r
-
-    @functools.wraps(orig_walk)
-    def walk(self, hints):
-        t = time.perf_counter()
-        r = orig_walk(self, hints)
-        events.append({"stage": "greedy walk", "seconds": time.perf_counter() - t,
-                       "solved": True, "objective": r.total})
-        return r
-
-    @functools.wraps(orig_sep)
-    def sep(*a, **k):
-        t = time.perf_counter()
-        r = orig_sep(*a, **k)
-        events.append({"stage": "separable start (total)", "seconds": time.perf_counter() - t,
-                       "solved": r is not None, "objective": None if r is None else r.total_cost})
-        return r
-
-    P._solve_ilp, P._Walk.run, P._separable_start = solve_ilp, walk, sep
-
-
 def inductor_seconds(joint) -> dict:
     """Inductor code generation for this rank's local forward and backward graphs, timed apart
     from the rest (our backend compiled them without Inductor, since Inductor has no meta
@@ -285,25 +241,6 @@ def _planner_config(max_vars: int | None, time_limit: float | None):
     return PlannerConfig(**caps, **limit)
 
 
-def _cpu_timers(cpu: dict) -> None:
-    """CPU seconds (this process, all threads) of the backend's stages, beside its wall-clock
-    ``seconds``: the machine is shared, and CPU time is far less sensitive to other load."""
-    import dynamo_dist.backend as B
-
-    for attr, stage in (("trace_joint", "capture"), ("plan_once", "plan"), ("lower", "lower"),
-                        ("compile_joint", "partition")):
-        fn = getattr(B, attr)
-
-        def timed(*a, _fn=fn, _stage=stage, **k):
-            t = time.process_time()
-            try:
-                return _fn(*a, **k)
-            finally:
-                cpu[_stage] = cpu.get(_stage, 0.0) + time.process_time() - t
-
-        setattr(B, attr, timed)
-
-
 _CAUSE = re.compile(r"of [^:]+: (\S+) (\[[^\]]*\]) -> (\[[^\]]*\])")
 
 
@@ -333,11 +270,7 @@ def run_ours(args) -> dict:
     logging.getLogger("dynamo_dist").addHandler(handler)  # dynamo_dist.sharding propagates
     for name in ("dynamo_dist", "dynamo_dist.sharding"):
         logging.getLogger(name).setLevel(logging.INFO)
-    events: list[dict] = []
-    _instrument_planner(events)
     planner = _planner_config(args.ilp_max_vars, args.ilp_time_limit)
-    cpu: dict[str, float] = {}
-    _cpu_timers(cpu)
 
     out: dict = {}
     route_meta_sdpa_to_cpu_kernel()
@@ -372,12 +305,15 @@ def run_ours(args) -> dict:
                       **{k: v for k, v in rec.seconds.items()}}
     # compile_joint without Inductor: the partition only
     out["seconds"]["partition"] = out["seconds"].pop("inductor")
-    out["cpu_seconds"] = dict(cpu)
+    # CPU seconds beside wall-clock: the machine is shared, and CPU time is far less sensitive
+    # to other load
+    out["cpu_seconds"] = {("partition" if k == "inductor" else k): v
+                          for k, v in rec.cpu_seconds.items()}
     if args.inductor:
         ind = inductor_seconds(rec.step.joint)
         out["seconds"]["inductor"] = sum(ind.values())
         out["inductor_seconds"] = ind
-    out["planner_stages"] = events
+    out["planner_stages"] = [dataclasses.asdict(st) for st in rec.plan.stages]
     out["planner_log"] = handler.lines
     gm = rec.program.graph_module
     out["joint_graph_nodes"] = len(gm.graph.nodes)

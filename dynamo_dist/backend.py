@@ -10,6 +10,7 @@ Order of steps (each a small module):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -50,9 +51,10 @@ class CompileRecord:
 
     plan: Plan
     ledger: CollectiveLedger
-    seconds: dict[str, float]
+    seconds: dict[str, float]  # wall-clock seconds per stage (capture, plan, lower, inductor)
     program: JointProgram
     step: DistStep | None
+    cpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # same, CPU time
 
     def saved_for_backward_bytes(self) -> int:
         """Bytes this rank's compiled forward hands to its backward (local tensors: activations
@@ -258,7 +260,9 @@ def _input_placements(info, mesh) -> tuple[Placements, str | None]:
 def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: PlannerConfig,
              simulate: bool = False, respecialised: bool = False):
     seconds: dict[str, float] = {}
-    t = time.perf_counter()
+    cpu: dict[str, float] = {}
+    clock = _StageClock(seconds, cpu)
+    clock.start()
     dynamo_gm, dynamo_inputs = gm, example_inputs
     # a nested_compile_region's body is planned as the code it is (issue 17 keeps it whole)
     gm = compat.inline_nested_compile_regions(gm)
@@ -268,7 +272,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: P
     program = trace_joint(gm, example_inputs, symbolic=not respecialised)
     symbolic_shapes.fix_guarded_sizes(program.graph_module)
     symbolic_sizes = symbolic_shapes.is_symbolic(program.graph_module)
-    seconds["capture"] = time.perf_counter() - t
+    clock.stop("capture")
 
     constraints = _constraints(program.graph_module)
     mesh = program.mesh
@@ -289,7 +293,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: P
     grad_pl = [p if i.requires_grad else None for p, i in zip(primal_pl, program.primal_inputs)]
     pinned = {node.name: pl for node, (_, pl) in constraints.items()}
 
-    t = time.perf_counter()
+    clock.start()
     axes = data_axes(mesh)
 
     # placements do not depend on sizes: a symbolic program is planned at the sizes Dynamo
@@ -317,7 +321,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: P
     if theirs != mine:
         _refuse_other_program(program.graph_module, mine, theirs, mesh)
     plan.fallbacks.extend(msg for _, msg in boundary if msg)
-    seconds["plan"] = time.perf_counter() - t
+    clock.stop("plan")
     split = symbolic_shapes.split_symbolic(program.graph_module, plan) if symbolic_sizes else []
     if split:  # every rank has this plan, so every rank takes this branch
         log.info("dynamo_dist: the plan splits dims of symbolic size (%s%s); compiled for the "
@@ -337,12 +341,12 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: P
     sizes = symbolic_shapes.LocalSizes(program.graph_module, plan) if symbolic_sizes else None
     lowered = sizes.graph if sizes is not None else program.graph_module
     if simulate:  # FX graphs on LocalTensors: no stride checks, inputs pass as they are
-        t = time.perf_counter()
+        clock.start()
         joint, ledger = simulated_joint(lowered, plan, mesh, program.num_fwd_outputs, has_bwd)
         if sizes is not None:
             sizes.add_guards()
-        seconds["lower"] = time.perf_counter() - t
-        return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd,
+        clock.stop("lower")
+        return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, clock, has_bwd,
                        attributes=attributes)
 
     # the strides each input's local tensor arrives with (inductor_passes.layout); symbolic
@@ -354,13 +358,13 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: P
         all(compat.static_size(v) is not None for v in i.local_stride) else None)
         for i, pl in zip(program.primal_inputs, primal_pl)]
 
-    t = time.perf_counter()
+    clock.start()
     local_gm, ledger = lower(lowered, plan, mesh, program.num_fwd_outputs,
                              primal_strides=in_strides if sizes is None else
                              [tuple(map(sizes.size, st)) for st in in_strides])
-    seconds["lower"] = time.perf_counter() - t
+    clock.stop("lower")
 
-    t = time.perf_counter()
+    clock.start()
     base = _dump_base(len(_RECORDS) + 1)
     if base:  # before Inductor, so a graph that fails to compile can be read
         with open(base + "_local_joint.py", "w") as f:
@@ -368,20 +372,49 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: P
     # every rank must issue the same collectives: compare the partitioned graphs before
     # Inductor rewrites them (and before anything runs: no hang)
     def check(graphs):
-        t0 = time.perf_counter()
-        check_same_schedule(graphs, f"graph of {_code_name(gm)}")
-        seconds["schedule check"] = time.perf_counter() - t0
+        with clock.inner("schedule check"):
+            check_same_schedule(graphs, f"graph of {_code_name(gm)}")
 
     joint = compile_joint(local_gm, program.num_fwd_outputs, has_bwd, inductor, check)
     if sizes is not None:
         sizes.add_guards()
-    seconds["inductor"] = time.perf_counter() - t - seconds.get("schedule check", 0.0)
-    return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, seconds, has_bwd,
+    clock.stop("inductor")
+    return _finish(gm, program, plan, mesh, primal_pl, joint, ledger, clock, has_bwd,
                    in_strides, attributes)
 
 
+class _StageClock:
+    """Wall-clock and CPU seconds of the backend's stages (``start()`` ... ``stop(name)``); a stage
+    timed ``inner`` while another runs is taken out of the outer one (the schedule check inside
+    Inductor's stage)."""
+
+    def __init__(self, wall: dict[str, float], cpu: dict[str, float]) -> None:
+        self.wall, self.cpu = wall, cpu
+        self._t = self._c = 0.0
+        self._inner_wall = self._inner_cpu = 0.0
+
+    def start(self) -> None:
+        self._t, self._c = time.perf_counter(), time.process_time()
+        self._inner_wall = self._inner_cpu = 0.0
+
+    def stop(self, name: str) -> None:
+        self.wall[name] = time.perf_counter() - self._t - self._inner_wall
+        self.cpu[name] = time.process_time() - self._c - self._inner_cpu
+
+    @contextlib.contextmanager
+    def inner(self, name: str):
+        t, c = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            wall, cpu = time.perf_counter() - t, time.process_time() - c
+            self.wall[name], self.cpu[name] = wall, cpu
+            self._inner_wall += wall
+            self._inner_cpu += cpu
+
+
 def _finish(gm, program: JointProgram, plan: Plan, mesh, primal_pl, joint,
-            ledger: CollectiveLedger, seconds: dict[str, float], has_bwd: bool,
+            ledger: CollectiveLedger, clock: _StageClock, has_bwd: bool,
             in_strides: list | None = None, attributes: Sequence = ()) -> DistStep:
     """The runtime step around compiled (or simulated) local programs, recorded.
     ``in_strides``: the LOCAL strides the compiled graphs expect of each input (None: any);
@@ -410,12 +443,12 @@ def _finish(gm, program: JointProgram, plan: Plan, mesh, primal_pl, joint,
     step = DistStep(program.inputs, joint, mesh, primal_pl, placements, shapes,
                     program.diff_outputs if has_bwd else [], program.mutated_inputs,
                     in_strides or (), strides, attributes)
-    record = CompileRecord(plan, ledger, seconds, program, step)
+    record = CompileRecord(plan, ledger, clock.wall, program, step, clock.cpu)
     _RECORDS.append(record)
     _warn_batch_gathers(record, data_axes(mesh))
     _dump(len(_RECORDS), mesh, program, plan, joint)
     log.info("dynamo_dist: compiled graph (%s); %d collectives", 
-             ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items()), len(ledger.entries))
+             ", ".join(f"{k} {v:.2f}s" for k, v in clock.wall.items()), len(ledger.entries))
     return step
 
 

@@ -79,6 +79,13 @@ def test_the_backend_s_planner_option_reaches_the_planner(fake_mesh):
     assert any(o.startswith("solver") for o in origins(ilp))
 
 
+def test_compile_records_time_each_stage_in_wall_and_cpu_seconds(fake_mesh):
+    _compile(fake_mesh)
+    rec = compile_records()[-1]
+    assert set(rec.seconds) == set(rec.cpu_seconds) >= {"capture", "plan", "lower", "inductor"}
+    assert all(v >= 0 for v in rec.cpu_seconds.values())
+
+
 def test_the_environment_reaches_the_planner_when_no_option_is_given(fake_mesh, monkeypatch):
     monkeypatch.setenv(ENV, "method=greedy")
     plan = _compile(fake_mesh)

@@ -79,3 +79,36 @@ def test_a_pinned_layout_costs_the_collectives_it_forces(fake_mesh):
         compute_cost("aten.mm.default", (b, h), d, (R,), (2,)) + \
         compute_cost("aten.mm.default", (b, d), h, (R,), (2,))
     assert plan.total_cost <= gather_weights + 1e-6
+
+
+def test_the_plan_records_how_planning_went(fake_mesh):
+    """``Plan.stages``: each step that ran, timed, with the cost it reached (benchmarks read
+    this rather than wrapping the planner)."""
+    mesh = fake_mesh((2,), ("tp",))
+    gm = _graph(lambda x, w1, w2: (torch.relu(x @ w1) @ w2,), (8, 16), (16, 32), (32, 16))
+    pls = [(R,), (Shard(1),), (Shard(0),)]
+    ilp = _plan(gm, mesh, pls)
+    assert [s.stage for s in ilp.stages] == ["ILP"]
+    assert ilp.stages[0].solved and ilp.stages[0].objective == pytest.approx(ilp.total_cost)
+    greedy = _plan(gm, mesh, pls, PlannerConfig(method="greedy", greedy_rounds=2))
+    assert {s.stage for s in greedy.stages} == {"greedy walk"}
+    assert 1 <= len(greedy.stages) <= 2 and all(s.seconds >= 0 for s in greedy.stages)
+    capped = _plan(gm, mesh, pls, PlannerConfig(axis_max_vars=1))  # too large: greedy instead
+    assert capped.stages[0].stage == "ILP" and not capped.stages[0].solved
+    assert capped.stages[1].stage == "greedy walk"
+
+
+def test_a_2d_plan_records_its_separable_start_and_descent(fake_mesh):
+    """On a 2-D mesh too large for the joint ILP (cap 1 variable here): one ILP per mesh axis,
+    their combination, its pricing and the per-axis descent, each recorded; the plan is the
+    Megatron pair on tp whatever dp does."""
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    gm = _graph(lambda x, w1, w2: (torch.relu(x @ w1) @ w2,), (8, 16), (16, 32), (32, 16))
+    plan = _plan(gm, mesh, [(Shard(0), R), (R, Shard(1)), (R, Shard(0))],
+                 PlannerConfig(joint_max_vars=1))
+    names = [s.stage for s in plan.stages]
+    assert names[:4] == ["joint N-D ILP", "per-axis start ILP (dp)", "per-axis start ILP (tp)",
+                         "separable start (total)"], names
+    assert not plan.stages[0].solved and all(s.solved for s in plan.stages[1:])
+    assert any(n.startswith("descent ILP") for n in names)
+    assert plan.nodes["mm"].output[1] == Shard(1) and plan.nodes["mm_1"].output[1] == Partial()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -59,15 +60,28 @@ class NodePlan:
         return self.source.kind
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanStage:
+    """One step of the planning that made a plan: which ran, its wall-clock seconds, whether it
+    gave a plan (an ILP over its size cap does not) and the cost it reached (bytes-equivalent)."""
+
+    stage: str
+    seconds: float
+    solved: bool
+    objective: float | None
+
+
 @dataclasses.dataclass
 class Plan:
-    """node name -> NodePlan for a joint graph, plus the mesh it refers to."""
+    """node name -> NodePlan for a joint graph, plus the mesh it refers to. ``stages``: how the
+    planning went (a plan read from the plan cache keeps the record of the run that made it)."""
 
     mesh_shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     nodes: dict[str, NodePlan]
     fallbacks: list[str]
     total_cost: float = 0.0   # sum of redistribute costs paid (bytes-equivalent)
+    stages: list[PlanStage] = dataclasses.field(default_factory=list)
 
     def placement(self, name: str):
         return self.nodes[name].output
@@ -118,22 +132,26 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
     args = (gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
             constraint_of, origins, tuple(data_axes), config)
     ilp = config.method is PlanMethod.ILP
+    ndim = len(mesh.shape)
+    stages: list[PlanStage] = []
     if ilp:
         # shared by the ILPs on this mesh
         memo = _Memo(EdgePricer(gm, mesh, origins, data_axes, config=config))
-        max_vars = config.joint_max_vars if len(mesh.shape) > 1 else config.axis_max_vars
-        plan = _solve_ilp(*args, memo=memo, max_vars=max_vars)
+        max_vars = config.joint_max_vars if ndim > 1 else config.axis_max_vars
+        plan = _timed(stages, "joint N-D ILP" if ndim > 1 else "ILP", _solve_ilp, *args,
+                      memo=memo, max_vars=max_vars)
         if plan is not None:
+            plan.stages = stages
             return plan
-    ndim = len(mesh.shape)
-    start = _separable_start(*args) if ilp and ndim > 1 else None
+    start = _timed(stages, "separable start (total)", _separable_start, *args, stages=stages) \
+        if ilp and ndim > 1 else None
     if start is not None:
         plan = start
     else:
         walker = _Walk(*args)
-        best = walker.run({})
+        best = _timed(stages, "greedy walk", walker.run, {})
         for _ in range(config.greedy_rounds - 1):
-            trial = walker.run(best.paid)
+            trial = _timed(stages, "greedy walk", walker.run, best.paid)
             if trial.total >= best.total:
                 break
             best = trial
@@ -149,23 +167,37 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
                     for name, n in p.nodes.items() if n.op != "output"}
 
         # the start plan priced by the ILP's cost model (no axis free: one option per node)
-        priced = _solve_ilp(*args, base=as_base(plan), free_axis=-1, memo=memo)
+        priced = _timed(stages, "price the start plan (all axes fixed)", _solve_ilp, *args,
+                        base=as_base(plan), free_axis=-1, memo=memo)
         if priced is not None:
             plan.total_cost = priced.total_cost
         for _ in range(config.descent_rounds):
             improved = False
             for axis in range(ndim):
-                trial = _solve_ilp(*args, base=as_base(plan), free_axis=axis, memo=memo)
+                trial = _timed(stages, f"descent ILP, free axis {axis}", _solve_ilp, *args,
+                               base=as_base(plan), free_axis=axis, memo=memo)
                 if trial is not None and trial.total_cost < plan.total_cost - 1e-6:
                     plan, improved = trial, True
             if not improved:
                 break
         log.info("dynamo_dist: per-axis ILP refinement: plan cost %.3g", plan.total_cost)
+    plan.stages = stages
     return plan
 
 
+def _timed(record: list[PlanStage], stage: str, step: Callable, *args, **kwargs):
+    """``step(*args, **kwargs)``, timed and appended to ``record``."""
+    t = time.perf_counter()
+    result = step(*args, **kwargs)
+    cost = None if result is None else \
+        getattr(result, "total_cost", getattr(result, "total", None))
+    record.append(PlanStage(stage, time.perf_counter() - t, result is not None, cost))
+    return result
+
+
 def _separable_start(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
-                     constraint_of, origins, data_axes, config) -> Plan | None:
+                     constraint_of, origins, data_axes, config,
+                     stages: list[PlanStage] | None = None) -> Plan | None:
     """A start for an N-D mesh: one 1-D ILP per mesh axis (each sees only its own axis of every
     pinned placement: FSDP on a data axis, Megatron on a tensor-parallel one), combined per node.
 
@@ -181,10 +213,11 @@ def _separable_start(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
         def project(pls, axis=axis):
             return None if pls is None else (pls[axis],)
 
-        sub = _solve_ilp(gm, mesh[name], [project(p) for p in primal_placements],
-                         num_fwd_outputs, diff_outputs, [project(g) for g in grad_placements],
-                         lambda n, c=constraint_of, pr=project: pr(c(n)), origins,
-                         tuple(a for a in data_axes if a == name), config)
+        sub = _timed([] if stages is None else stages, f"per-axis start ILP ({name})",
+                     _solve_ilp, gm, mesh[name], [project(p) for p in primal_placements],
+                     num_fwd_outputs, diff_outputs, [project(g) for g in grad_placements],
+                     lambda n, c=constraint_of, pr=project: pr(c(n)), origins,
+                     tuple(a for a in data_axes if a == name), config)
         if sub is None:
             return None
         per_axis.append(sub)

@@ -14,7 +14,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from inductor_passes.core.compat import StridedShard
 from dynamo_dist.testing.conformance.simulate import strided_indices
 from inductor_passes.redistribute import mesh_axes, redistribute
-from inductor_passes.sharding.placements import fmt, local_shape, shard_range, valid_for
+from inductor_passes.core.placements import fmt, local_shape, shard_range, valid_for
 
 
 def local_of(full, placements, mesh, axes):
