@@ -96,8 +96,8 @@ def validate_placements(what: str, shape: Sequence[int], mesh: DeviceMesh,
             if p.reduce_op not in SUPPORTED_PARTIAL_OPS:
                 fail(f"Partial({p.reduce_op!r}) on mesh axis '{names[axis]}': only pending "
                      f"{', '.join(SUPPORTED_PARTIAL_OPS)} reductions are planned",
-                     f"use Partial() (a pending sum) or one of {list(SUPPORTED_PARTIAL_OPS)}, or reduce "
-                     f"before pinning (Replicate())")
+                     f"use Partial() (a pending sum) or one of {list(SUPPORTED_PARTIAL_OPS)}, or "
+                     f"reduce before pinning (Replicate())")
         elif not isinstance(p, Replicate):
             fail(f"unsupported placement {p!r}",
                  "use Shard(d), _StridedShard(d, split_factor=k), Replicate() or Partial()")

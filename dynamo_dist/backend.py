@@ -24,7 +24,8 @@ from inductor_passes import layout
 from inductor_passes.compile import compile_joint
 from inductor_passes.core import compat, roles
 from inductor_passes.core.mesh_facts import data_axes
-from inductor_passes.core.annotation_ops import CONSTRAINT_OP, PIN_ERROR, encode_spec, mesh_from_key
+from inductor_passes.core.annotation_ops import (CONSTRAINT_OP, PIN_ERROR, encode_spec,
+                                                 mesh_from_key)
 from inductor_passes.core.errors import DistCompileError, user_source
 from inductor_passes.core.ledger import CollectiveLedger
 from inductor_passes.core.placements import Placements, fmt, nbytes, parse
@@ -37,7 +38,8 @@ from . import agreement, compiled_autograd, patches, plan_cache
 from . import symbolic as symbolic_shapes
 from .agreement import plan_once
 from .annotations import checked_placements
-from .capture import ArgKind, JointProgram, lift_tensor_attributes, planned_input_placements, trace_joint
+from .capture import (ArgKind, JointProgram, lift_tensor_attributes, planned_input_placements,
+                      trace_joint)
 from .divergence import check_same_schedule
 from .runtime import DistStep
 from .simulate import simulated_joint
@@ -259,9 +261,7 @@ def _input_placements(info, mesh) -> tuple[Placements, str | None]:
 
 def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: PlannerConfig,
              simulate: bool = False, respecialised: bool = False):
-    seconds: dict[str, float] = {}
-    cpu: dict[str, float] = {}
-    clock = _StageClock(seconds, cpu)
+    clock = _StageClock()
     clock.start()
     dynamo_gm, dynamo_inputs = gm, example_inputs
     # a nested_compile_region's body is planned as the code it is (issue 17 keeps it whole)
@@ -388,8 +388,9 @@ class _StageClock:
     timed ``inner`` while another runs is taken out of the outer one (the schedule check inside
     Inductor's stage)."""
 
-    def __init__(self, wall: dict[str, float], cpu: dict[str, float]) -> None:
-        self.wall, self.cpu = wall, cpu
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
         self._t = self._c = 0.0
         self._inner_wall = self._inner_cpu = 0.0
 
@@ -470,7 +471,8 @@ def _warn_batch_gathers(record: CompileRecord, axes: Sequence[str]) -> None:
                     "the cost", len(found), axis, where, " ..." if len(found) > 3 else "")
 
 
-dist_backend._dynamo_dist_backend = True  # how compat.dist_backend_is_tracing recognises Dynamo tracing for us
+# how compat.dist_backend_is_tracing recognises Dynamo tracing for us
+dist_backend._dynamo_dist_backend = True
 
 
 def _dynamo_settings():

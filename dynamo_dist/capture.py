@@ -108,15 +108,15 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
     for i, x in enumerate(example_inputs):
         name = str(names[i]) if i < len(names) else f"arg{i}"
         if isinstance(x, DTensor):
-            infos.append(InputInfo(i, name, ArgKind.DTENSOR, _sizes(x.shape), x.dtype, x.requires_grad,
-                                   x.device_mesh, tuple(x.placements), _sizes(x.stride()),
-                                   _sizes(x.to_local().stride())))
+            infos.append(InputInfo(i, name, ArgKind.DTENSOR, _sizes(x.shape), x.dtype,
+                                   x.requires_grad, x.device_mesh, tuple(x.placements),
+                                   _sizes(x.stride()), _sizes(x.to_local().stride())))
         elif isinstance(x, torch.Tensor):
             # a plain tensor is a global value; ``spmd.mark_sharding`` may have given it a
             # placement eagerly (each rank then receives its own piece)
             mesh, pls = input_annotation(x) or (None, None)
-            infos.append(InputInfo(i, name, ArgKind.TENSOR, _sizes(x.shape), x.dtype, x.requires_grad,
-                                   mesh, pls, _sizes(x.stride())))
+            infos.append(InputInfo(i, name, ArgKind.TENSOR, _sizes(x.shape), x.dtype,
+                                   x.requires_grad, mesh, pls, _sizes(x.stride())))
         elif isinstance(x, torch.SymInt) and _sizes_of_tensors(x, example_inputs):
             # a symbolic size (dynamic shapes): the program reads it off its tensor inputs
             infos.append(InputInfo(i, name, ArgKind.SIZE))
@@ -287,7 +287,8 @@ def find_mesh(infos: Sequence[InputInfo], example_inputs: Sequence[Any]) -> Devi
     """The one DeviceMesh of this program; inputs on two different meshes are an error."""
     meshes: dict[int, tuple[DeviceMesh, str]] = {}
     for info, x in zip(infos, example_inputs):
-        mesh = info.mesh if info.kind is not ArgKind.CONSTANT else (x if isinstance(x, DeviceMesh) else None)
+        mesh = info.mesh if info.kind is not ArgKind.CONSTANT else \
+            (x if isinstance(x, DeviceMesh) else None)
         if mesh is not None:
             meshes.setdefault(id(mesh), (mesh, info.name))
     distinct: list[tuple[DeviceMesh, str]] = []

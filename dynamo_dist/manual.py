@@ -64,7 +64,8 @@ def mark_manual(gm: fx.GraphModule, mesh, manual_primals: Sequence[int],
             inputs = [a.meta[VARYING] for a in node.all_input_nodes if a.meta.get(MANUAL)]
             if inputs:
                 varying = frozenset().union(*inputs)
-                if collective_op(node) in _REDUCING:  # the result is the same on every rank of the group
+                # a reduced result is the same on every rank of the group
+                if collective_op(node) in _REDUCING:
                     varying -= groups.get(next((a for a in node.args if isinstance(a, str)
                                                 and a in groups), None), frozenset())
         if varying is not None:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
+from torch.distributed.tensor.placement_types import Placement
 
 from inductor_passes.core import compat
 from inductor_passes.core.compat import (STATIC_FIX, DTensorSpec, OpSchema, OutputSharding,
@@ -637,24 +638,15 @@ def install_process_group_guard() -> bool:
     return True
 
 
-_METADATA_TYPES: tuple = ()  # (Mesh, Placement), resolved on first use (no import cycle)
-
-
 def _folded_metadata_attr(var: Any, tx: Any, name: str) -> Any:
     """(3) The attribute ``name`` of a placement or a dynamo_dist Mesh as a guarded constant
     VariableTracker, or None to let Dynamo read it as usual."""
-    global _METADATA_TYPES
-    if not _METADATA_TYPES:
-        from torch.distributed.tensor.placement_types import Placement
-
-
-        _METADATA_TYPES = (Mesh, Placement)
     obj = getattr(var, "value", None)
-    if not isinstance(obj, _METADATA_TYPES):  # every user-defined object's reads pass here
+    if not isinstance(obj, (Mesh, Placement)):  # every user-defined object's reads pass here
         return None
     from torch._dynamo.variables.base import VariableTracker
 
-    if isinstance(obj, _METADATA_TYPES[0]):  # a dynamo_dist Mesh
+    if isinstance(obj, Mesh):
         # only a mesh made before the compiled region (it has a source) and not written to in
         # it: one made inside is traced as usual (its attributes are constants there anyway)
         if (name not in MESH_VALUE_ATTRS or var.source is None or not dist_backend_is_tracing()

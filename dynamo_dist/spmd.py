@@ -33,8 +33,7 @@ from inductor_passes.core.errors import DistCompileError
 from inductor_passes.core.placements import is_split, is_strided, local_shape
 from inductor_passes.layout import contiguous_strides
 
-from .annotations import pin_placements as constrain
-from .annotations import require_tensor, validate_placements
+from .annotations import pin_placements as constrain, require_tensor, validate_placements
 from .mesh import Mesh, as_device_mesh
 from .plans import PartitionSpec
 from .plans.spec import spec_placements, spec_problem

@@ -157,7 +157,7 @@ def test_kv_cache_first_update_stays_split_over_heads(fake_mesh):
 def test_argmax_over_a_split_dim_with_a_negative_dim(fake_mesh, keepdim):
     """Greedy decoding's ``logits.argmax(-1)`` on logits split over the vocabulary: 2.13's
     DTensor argmax gathers with the negative dim and failed ("shape '[1, 2, 2, 1]' is invalid
-    for input of size 2"), eager or after a compiled forward. ``_compat`` hands it the dim
+    for input of size 2"), eager or after a compiled forward. ``patches`` hands it the dim
     counted from the front (simulated ranks, against one process)."""
     from dynamo_dist.testing.zoo.cell import SimRuntime, global_value
 

@@ -6,7 +6,7 @@ of a `fake` process group are used. DTensor calls (placements, device_mesh, to_l
 redistribute, full_tensor) on a DTensor made outside: values on a 1-rank world (exact), shapes
 and placements on 2 ranks (a fake group's collectives return garbage values).
 
-The three gaps torch 2.13 leaves are closed in ``dynamo_dist._compat`` (section "distributed
+The three gaps torch 2.13 leaves are closed in ``dynamo_dist.patches`` (section "distributed
 metadata folded with correct guards"): dead ``mesh[name]`` slices, ProcessGroup guards, and
 placement / Mesh ints made dynamic graph inputs."""
 

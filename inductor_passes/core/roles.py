@@ -53,11 +53,6 @@ def primals(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.find_nodes(op="placeholder") if is_primal(n)]
 
 
-def tangents(graph: fx.Graph) -> list[fx.Node]:
-    """The cotangent placeholders, in order."""
-    return [n for n in graph.find_nodes(op="placeholder") if is_tangent(n)]
-
-
 def tangent_dependent(graph: fx.Graph) -> set[fx.Node]:
     """Nodes that depend on any tangent placeholder or in-graph gradient seed: the backward
     part of a joint graph."""

@@ -20,6 +20,10 @@ class PlanMethod(enum.Enum):
     GREEDY = "greedy"  # the repeated greedy walk only (GSPMD-style sweeps)
 
 
+# the fields that may be 0 (every other number must be >= 1; the time limit > 0)
+_MAY_BE_ZERO = ("descent_rounds", "latency_bytes", "reslice_cost", "bytes_per_flop")
+
+
 @dataclasses.dataclass(frozen=True)
 class PlannerConfig:
     """Settings of the whole-graph sharding planner. Units: bytes-equivalent for costs (one byte
@@ -68,24 +72,22 @@ class PlannerConfig:
     bytes_per_flop: float = 1.0 / 1000
 
     def __post_init__(self) -> None:
-        if isinstance(self.method, str):
-            object.__setattr__(self, "method", _method(self.method))
         if not isinstance(self.method, PlanMethod):
-            raise ValueError(f"PlannerConfig.method: {self.method!r} is not one of "
-                             f"{[m.value for m in PlanMethod]}")
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name == "method":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"PlannerConfig.{field.name}: {value!r} is not a number")
-            least = 0 if field.name in ("descent_rounds", "latency_bytes", "reslice_cost",
-                                        "bytes_per_flop") else 1
-            if field.type == "int" and not isinstance(value, int):
-                raise ValueError(f"PlannerConfig.{field.name}: {value!r} is not an int")
-            if value < least or (field.name == "ilp_time_limit_s" and value <= 0):
-                raise ValueError(f"PlannerConfig.{field.name}: {value!r} must be "
-                                 f"{'> 0' if field.name == 'ilp_time_limit_s' else f'>= {least}'}")
+            try:
+                object.__setattr__(self, "method", PlanMethod(self.method))
+            except ValueError:
+                raise ValueError(f"PlannerConfig.method: {self.method!r} is not one of "
+                                 f"{[m.value for m in PlanMethod]}") from None
+        for field in dataclasses.fields(self)[1:]:  # the numbers after ``method``
+            value, integral = getattr(self, field.name), field.type == "int"
+            if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+                raise ValueError(f"PlannerConfig.{field.name}: {value!r} is not "
+                                 f"{'an int' if integral else 'a number'}")
+            if field.name == "ilp_time_limit_s" and value <= 0:
+                raise ValueError(f"PlannerConfig.{field.name}: {value!r} must be > 0")
+            least = 0 if field.name in _MAY_BE_ZERO else 1
+            if value < least:
+                raise ValueError(f"PlannerConfig.{field.name}: {value!r} must be >= {least}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "PlannerConfig":
@@ -112,11 +114,3 @@ class PlannerConfig:
 
 ENV = "DYNAMO_DIST_PLANNER"
 DEFAULT = PlannerConfig()
-
-
-def _method(text: str) -> PlanMethod:
-    try:
-        return PlanMethod(text)
-    except ValueError:
-        raise ValueError(f"PlannerConfig.method: {text!r} is not one of "
-                         f"{[m.value for m in PlanMethod]}") from None

@@ -4,10 +4,10 @@ _StridedShard is priced as the Shard it is lowered like (the same collectives, p
 reorders, which are free here as local slices are).
 
 Cost unit: bytes-equivalent on the wire per rank (the beta term), plus a fixed latency of
-``PlannerConfig.latency_bytes`` per collective (the alpha term, expressed in bytes so the two add). Ring
-algorithms' volumes follow Thakur et al., "Optimization of Collective Communication Operations in
-MPICH" (2005): all_gather and reduce_scatter move (n-1)/n of the full buffer, all_reduce twice
-that, all_to_all (n-1)/n of the local buffer.
+``PlannerConfig.latency_bytes`` per collective (the alpha term, expressed in bytes so the two
+add). Ring algorithms' volumes follow Thakur et al., "Optimization of Collective Communication
+Operations in MPICH" (2005): all_gather and reduce_scatter move (n-1)/n of the full buffer,
+all_reduce twice that, all_to_all (n-1)/n of the local buffer.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ def redistribute_cost(shape: Sequence[int], dtype: torch.dtype, src: Placements,
     gather from the last axis to the first, then re-slice); the buffer each step moves is the
     local size at that step. ``greedy``: price a reduce_scatter as the all_reduce it turns into
     for a one-pass walk (see below); the ILP sees the later all_gather itself and does not need it.
-    ``weights``: per mesh axis, the relative cost of a byte on it (``core.mesh_facts.axis_weights``); latency
-    and bytes on a slow axis are both scaled. ``config``: the latency and re-slice prices (a
-    free local re-slice still changes the value; ties are broken towards fewer changes).
+    ``weights``: per mesh axis, the relative cost of a byte on it
+    (``core.mesh_facts.axis_weights``); latency and bytes on a slow axis are both scaled.
+    ``config``: the latency and re-slice prices (a free local re-slice still changes the value;
+    ties are broken towards fewer changes).
     """
     if src == dst:
         return 0.0

@@ -39,7 +39,7 @@ from .solver import ShardingILP, program_factors
 log = logging.getLogger("dynamo_dist.sharding")
 
 
-_INPUT = RuleSource(RuleKind.INPUT)
+_INPUT, _OUTPUT = RuleSource(RuleKind.INPUT), RuleSource(RuleKind.OUTPUT)
 
 
 @dataclasses.dataclass
@@ -197,13 +197,14 @@ def _timed(record: list[PlanStage], stage: str, step: Callable, *args, **kwargs)
 
 def _separable_start(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
                      constraint_of, origins, data_axes, config,
-                     stages: list[PlanStage] | None = None) -> Plan | None:
+                     stages: list[PlanStage]) -> Plan | None:
     """A start for an N-D mesh: one 1-D ILP per mesh axis (each sees only its own axis of every
     pinned placement: FSDP on a data axis, Megatron on a tensor-parallel one), combined per node.
 
     The axes interact only where both split one tensor dim or a value's size, so the product of
     the per-axis optima is close to the joint optimum; the coordinate descent that follows
     repairs the nodes where the two choices clash. Returns None when the mesh has no axis names.
+    Each per-axis ILP is recorded in ``stages``.
     """
     names = mesh.mesh_dim_names
     if not names:
@@ -213,7 +214,7 @@ def _separable_start(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
         def project(pls, axis=axis):
             return None if pls is None else (pls[axis],)
 
-        sub = _timed([] if stages is None else stages, f"per-axis start ILP ({name})",
+        sub = _timed(stages, f"per-axis start ILP ({name})",
                      _solve_ilp, gm, mesh[name], [project(p) for p in primal_placements],
                      num_fwd_outputs, diff_outputs, [project(g) for g in grad_placements],
                      lambda n, c=constraint_of, pr=project: pr(c(n)), origins,
@@ -309,7 +310,7 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
         out_inputs.append(want)
         out_cost += edge_cost(o, env[o], want)
     nodes[ilp.output.name] = NodePlan(
-        ilp.output.name, "output", tuple(out_inputs), None, RuleSource(RuleKind.OUTPUT), out_cost, 1,
+        ilp.output.name, "output", tuple(out_inputs), None, _OUTPUT, out_cost, 1,
         "forward outputs reduced and evenly split; gradients in their parameter's "
         "placement")
     ndim = len(mesh_shape)
@@ -394,8 +395,8 @@ class _Walk:
                 src = env[node.args[0]]
                 out = src[node.args[1]] if isinstance(src, tuple) and not is_placements(src) else src
                 env[node] = out
-                nodes[node.name] = NodePlan(node.name, "getitem", (), out, RuleSource(RuleKind.GETITEM), 0.0,
-                                            1)
+                nodes[node.name] = NodePlan(node.name, "getitem", (), out,
+                                            RuleSource(RuleKind.GETITEM), 0.0, 1)
                 return
             specs = self._specs(node, current)
             origin = "propagated"
@@ -448,8 +449,8 @@ class _Walk:
                 final.append(None)
         for node, j in zip(tangents, self.diff_outputs):
             env[node] = final[j]
-            nodes[node.name] = NodePlan(node.name, "tangent", (), final[j], RuleSource(RuleKind.COTANGENT),
-                                            0.0, 1,
+            nodes[node.name] = NodePlan(node.name, "tangent", (), final[j],
+                                        RuleSource(RuleKind.COTANGENT), 0.0, 1,
                                         f"follows forward output {j}")
         for node in gm.graph.nodes:
             if node in self.bwd:
@@ -467,7 +468,7 @@ class _Walk:
             out_cost += pay(o, want)
         total += out_cost
         nodes[output_node.name] = NodePlan(
-            output_node.name, "output", tuple(out_inputs), None, RuleSource(RuleKind.OUTPUT), out_cost, 1,
+            output_node.name, "output", tuple(out_inputs), None, _OUTPUT, out_cost, 1,
             "forward outputs reduced and evenly split; gradients in their parameter's "
             "placement")
         return _WalkResult(nodes, fallbacks, paid, total)

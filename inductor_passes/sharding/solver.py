@@ -174,8 +174,9 @@ class ShardingILP:
             if node.target is GETITEM:
                 src, idx = node.args[0], node.args[1]
                 outs = self.outputs_of(src)
-                self.options[node] = [OpSpec((), o[idx] if not is_placements(o) else o, RuleKind.GETITEM)
-                                      for o in outs]
+                self.options[node] = [
+                    OpSpec((), o[idx] if not is_placements(o) else o, RuleKind.GETITEM)
+                    for o in outs]
                 for j, o in enumerate(outs):
                     self.ties.append((node, j, src, o))
                 continue

@@ -296,7 +296,7 @@ def _compile_only(gm, example_inputs):
     return stop
 
 
-_compile_only._dynamo_dist_backend = True  # Dynamo traces it as the dist backend (see _compat)
+_compile_only._dynamo_dist_backend = True  # Dynamo traces it as the dist backend (see compat)
 
 
 def _positional(op_fn, names: Sequence[str]):

@@ -50,7 +50,8 @@ from .pointwise import REVERSE, is_pointwise, is_random, pointwise_strategy, rev
 from .pool import PLANNED_WHOLE, POOL, pool_strategy
 from .strided import RESHAPES, Strided, with_strided
 
-__all__ = ["GETITEM", "AxisOption", "OpSpec", "RuleKind", "RuleSource", "Strided", "expand_multi_output",
+__all__ = ["GETITEM", "AxisOption", "OpSpec", "RuleKind", "RuleSource", "Strided",
+           "expand_multi_output",
            "expand_to_mesh", "PLANNED_WHOLE", "has_node_cost", "is_pointwise", "is_random",
            "local_impl", "node_cost", "op_strategy", "replicated_spec", "tensor_args", "val_shape"]
 

@@ -81,7 +81,8 @@ def attention_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]
     if len(q) != 4 or len(k) != 4 or len(v) != 4 or not k[0] == v[0] == q[0] or \
             k[1] != v[1] or k[1] == 0 or q[1] % k[1] or \
             (mask is not None and len(mask) not in (2, 4)):
-        return expand_multi_output([rep_option], mesh_shape, in_shapes, out_shapes, RuleKind.ATTENTION)
+        return expand_multi_output([rep_option], mesh_shape, in_shapes, out_shapes,
+                                   RuleKind.ATTENTION)
     batch, hq, hkv = q[0], q[1], k[1]
 
     def mask_placement(d: int, size: int) -> Placement:

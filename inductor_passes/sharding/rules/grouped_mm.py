@@ -92,7 +92,8 @@ def _fallback_backward(node: fx.Node, shapes, mesh_shape) -> list[OpSpec]:
         ((P, R, R, R), (R, P)),                               # grad_weight linear in input
         ((R, P, R, R), (P, R)),                               # grad_input linear in weight
     ]
-    return expand_multi_output(options, mesh_shape, shapes, out_shapes, RuleKind.GROUPED_MM_FALLBACK)
+    return expand_multi_output(options, mesh_shape, shapes, out_shapes,
+                               RuleKind.GROUPED_MM_FALLBACK)
 
 
 def _aligned(shapes, placements, a: fx.Node, mesh_shape) -> bool:

@@ -249,7 +249,8 @@ def _split(node, base, factors, mesh_shape) -> list[OpSpec]:
         for k in sorted(factors):
             m = _blocks(bounds, shape[d], k)
             if m is not None and all(b > 0 for b in m):
-                out.append(((strided(d, k),), [strided(d, b) for b in m], RuleSource(RuleKind.STRIDED, "split")))
+                out.append(((strided(d, k),), [strided(d, b) for b in m],
+                            RuleSource(RuleKind.STRIDED, "split")))
         return out
 
     return _from_replicated(node, base, mesh_shape, make)
@@ -314,7 +315,8 @@ def _cat(node, base, factors, mesh_shape) -> list[OpSpec]:
         for k in sorted(factors):
             m = _blocks(bounds, out_shape[d], k)
             if m is not None and all(b > 0 for b in m):
-                out.append((tuple(strided(d, b) for b in m), [strided(d, k)], RuleSource(RuleKind.STRIDED, "cat")))
+                out.append((tuple(strided(d, b) for b in m), [strided(d, k)],
+                            RuleSource(RuleKind.STRIDED, "cat")))
         return out
 
     return _from_replicated(node, base, mesh_shape, make)
