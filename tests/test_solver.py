@@ -88,14 +88,14 @@ def test_the_plan_records_how_planning_went(fake_mesh):
     gm = _graph(lambda x, w1, w2: (torch.relu(x @ w1) @ w2,), (8, 16), (16, 32), (32, 16))
     pls = [(R,), (Shard(1),), (Shard(0),)]
     ilp = _plan(gm, mesh, pls)
-    assert [s.stage for s in ilp.stages] == ["ILP"]
-    assert ilp.stages[0].solved and ilp.stages[0].objective == pytest.approx(ilp.total_cost)
+    assert [s.stage for s in ilp.stages] == ["repeat classes", "ILP"]
+    assert ilp.stages[1].solved and ilp.stages[1].objective == pytest.approx(ilp.total_cost)
     greedy = _plan(gm, mesh, pls, PlannerConfig(method="greedy", greedy_rounds=2))
     assert {s.stage for s in greedy.stages} == {"greedy walk"}
     assert 1 <= len(greedy.stages) <= 2 and all(s.seconds >= 0 for s in greedy.stages)
     capped = _plan(gm, mesh, pls, PlannerConfig(axis_max_vars=1))  # too large: greedy instead
-    assert capped.stages[0].stage == "ILP" and not capped.stages[0].solved
-    assert capped.stages[1].stage == "greedy walk"
+    assert capped.stages[1].stage == "ILP" and not capped.stages[1].solved
+    assert capped.stages[2].stage == "greedy walk"
 
 
 def test_a_2d_plan_records_its_separable_start_and_descent(fake_mesh):
@@ -107,8 +107,10 @@ def test_a_2d_plan_records_its_separable_start_and_descent(fake_mesh):
     plan = _plan(gm, mesh, [(Shard(0), R), (R, Shard(1)), (R, Shard(0))],
                  PlannerConfig(joint_max_vars=1))
     names = [s.stage for s in plan.stages]
-    assert names[:4] == ["joint N-D ILP", "per-axis start ILP (dp)", "per-axis start ILP (tp)",
-                         "separable start (total)"], names
-    assert not plan.stages[0].solved and all(s.solved for s in plan.stages[1:])
+    assert names[:5] == ["repeat classes", "joint N-D ILP", "per-axis start ILP (dp)",
+                         "per-axis start ILP (tp)", "separable start (total)"], names
+    # the joint ILPs (whole program, and outside repeated layers) are over the cap of 1
+    assert not plan.stages[1].solved and all(s.solved for s in plan.stages[2:]
+                                             if "joint" not in s.stage)
     assert any(n.startswith("descent ILP") for n in names)
     assert plan.nodes["mm"].output[1] == Shard(1) and plan.nodes["mm_1"].output[1] == Partial()

@@ -32,6 +32,7 @@ from ..core.placements import (Placements, fmt, is_placements, is_split, nbytes,
                                replicate, returnable, strided_factors)
 from .config import DEFAULT, PlanMethod, PlannerConfig
 from .cost import redistribute_cost
+from .repeats import LocalKeys, repeat_classes
 from .rules import (GETITEM, OpSpec, RuleKind, RuleSource, Strided, node_cost, op_strategy,
                     replicated_spec, tensor_args)
 from .solver import ShardingILP, program_factors
@@ -135,29 +136,21 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
     ndim = len(mesh.shape)
     stages: list[PlanStage] = []
     if ilp:
+        # repeated layers: one colouring of the graph for every ILP below
+        keys = LocalKeys(gm, constraint_of)  # the per-axis ILPs too: same partition
+        classes = _timed(stages, "repeat classes", _classes, gm, primal_placements, origins,
+                         keys, config)
         # shared by the ILPs on this mesh
-        memo = _Memo(EdgePricer(gm, mesh, origins, data_axes, config=config))
+        memo = _Memo(EdgePricer(gm, mesh, origins, data_axes, config=config), keys, classes)
         max_vars = config.joint_max_vars if ndim > 1 else config.axis_max_vars
         plan = _timed(stages, "joint N-D ILP" if ndim > 1 else "ILP", _solve_ilp, *args,
                       memo=memo, max_vars=max_vars)
         if plan is not None:
             plan.stages = stages
             return plan
-    start = _timed(stages, "separable start (total)", _separable_start, *args, stages=stages) \
-        if ilp and ndim > 1 else None
-    if start is not None:
-        plan = start
-    else:
-        walker = _Walk(*args)
-        best = _timed(stages, "greedy walk", walker.run, {})
-        for _ in range(config.greedy_rounds - 1):
-            trial = _timed(stages, "greedy walk", walker.run, best.paid)
-            if trial.total >= best.total:
-                break
-            best = trial
-        plan = Plan(tuple(mesh.shape),
-                    tuple(mesh.mesh_dim_names or [f"axis{i}" for i in range(ndim)]),
-                    best.nodes, best.fallbacks, best.total)
+    start = _timed(stages, "separable start (total)", _separable_start, *args, stages=stages,
+                   classes=classes, keys=keys) if ilp and ndim > 1 else None
+    plan = start if start is not None else _greedy(args, stages)
     if ilp and ndim > 1:
         # The whole 2-D problem is too large; improve the start plan one mesh axis at a time
         # (block coordinate descent: each ILP keeps the other axes as they are, so its optimum
@@ -166,11 +159,26 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
             return {name: OpSpec(n.inputs, n.output, n.source)
                     for name, n in p.nodes.items() if n.op != "output"}
 
-        # the start plan priced by the ILP's cost model (no axis free: one option per node)
+        # The start plan priced by the ILP's cost model (no axis free: one option per node).
+        # A node whose per-axis choices clash (Shard(0) on both axes of a view that splits
+        # dim 0 into two: no N-D OpSpec has both) is free in that ILP, so its plan is the start
+        # made valid. Without it (too large) the start may hold a clash: the greedy walk instead.
         priced = _timed(stages, "price the start plan (all axes fixed)", _solve_ilp, *args,
-                        base=as_base(plan), free_axis=-1, memo=memo)
+                        base=as_base(plan), free_axis=-1, memo=memo, valid_base=False)
         if priced is not None:
-            plan.total_cost = priced.total_cost
+            plan = priced
+        elif start is not None:
+            plan = _greedy(args, stages)
+        if priced is not None:
+            # the parts outside the repeated layers (embedding, loss, lm_head, the first and
+            # last layer's edges) re-planned jointly on all axes, the repeated layers fixed:
+            # the moves the per-axis descent cannot make there (both axes at once)
+            repeated = _repeated(classes)
+            trial = _timed(stages, "joint ILP outside the repeated layers", _solve_ilp, *args,
+                           base={k: v for k, v in as_base(plan).items() if k in repeated},
+                           free_axis=-1, memo=memo, max_vars=config.joint_max_vars)
+            if trial is not None and trial.total_cost < plan.total_cost - 1e-6:
+                plan = trial
         for _ in range(config.descent_rounds):
             improved = False
             for axis in range(ndim):
@@ -185,11 +193,43 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
     return plan
 
 
+def _repeated(classes: dict[fx.Node, int]) -> set[str]:
+    """Names of the nodes whose repeat class has more than one member."""
+    size: dict[int, int] = {}
+    for c in classes.values():
+        size[c] = size.get(c, 0) + 1
+    return {n.name for n, c in classes.items() if size[c] > 1}
+
+
+def _greedy(args: tuple, stages: list[PlanStage]) -> Plan:
+    """The best of ``config.greedy_rounds`` greedy walks (each timed into ``stages``)."""
+    mesh, config = args[1], args[-1]
+    walker = _Walk(*args)
+    best = _timed(stages, "greedy walk", walker.run, {})
+    for _ in range(config.greedy_rounds - 1):
+        trial = _timed(stages, "greedy walk", walker.run, best.paid)
+        if trial.total >= best.total:
+            break
+        best = trial
+    ndim = len(mesh.shape)
+    return Plan(tuple(mesh.shape), tuple(mesh.mesh_dim_names or [f"axis{i}" for i in range(ndim)]),
+                best.nodes, best.fallbacks, best.total)
+
+
+def _classes(gm, primal_placements, origins, keys: LocalKeys, config) -> dict[fx.Node, int]:
+    """``repeats.repeat_classes`` of ``gm``, inputs told apart by their pinned placement and
+    whether they are parameters (``config.repeat_rounds`` rounds)."""
+    pinned = dict(zip(roles.primals(gm.graph), primal_placements))
+    kind = dict(zip(roles.primals(gm.graph), (o.kind for o in origins)))
+    return repeat_classes(gm, keys, config.repeat_rounds,
+                          extra=lambda n: (pinned.get(n), kind.get(n)))
+
+
 def _timed(record: list[PlanStage], stage: str, step: Callable, *args, **kwargs):
     """``step(*args, **kwargs)``, timed and appended to ``record``."""
     t = time.perf_counter()
     result = step(*args, **kwargs)
-    cost = None if result is None else \
+    cost = None if result is None or isinstance(result, dict) else \
         getattr(result, "total_cost", getattr(result, "total", None))
     record.append(PlanStage(stage, time.perf_counter() - t, result is not None, cost))
     return result
@@ -197,7 +237,8 @@ def _timed(record: list[PlanStage], stage: str, step: Callable, *args, **kwargs)
 
 def _separable_start(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
                      constraint_of, origins, data_axes, config,
-                     stages: list[PlanStage]) -> Plan | None:
+                     stages: list[PlanStage], classes: dict[fx.Node, int],
+                     keys: LocalKeys) -> Plan | None:
     """A start for an N-D mesh: one 1-D ILP per mesh axis (each sees only its own axis of every
     pinned placement: FSDP on a data axis, Megatron on a tensor-parallel one), combined per node.
 
@@ -218,7 +259,8 @@ def _separable_start(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
                      _solve_ilp, gm, mesh[name], [project(p) for p in primal_placements],
                      num_fwd_outputs, diff_outputs, [project(g) for g in grad_placements],
                      lambda n, c=constraint_of, pr=project: pr(c(n)), origins,
-                     tuple(a for a in data_axes if a == name), config)
+                     tuple(a for a in data_axes if a == name), config, classes=classes,
+                     keys=keys)
         if sub is None:
             return None
         per_axis.append(sub)
@@ -244,9 +286,13 @@ def _separable_start(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
 
 @dataclasses.dataclass
 class _Memo:
-    """What the ILPs over one graph and mesh share: priced edges and OpStrategies."""
+    """What the ILPs over one graph, mesh and constraints share: priced edges and OpStrategies
+    (keyed by layer-invariant signatures: a repeated layer is priced once), the nodes' local
+    keys and repeat classes."""
 
     price: "EdgePricer"
+    keys: LocalKeys
+    classes: dict
     strategies: dict = dataclasses.field(default_factory=dict)
     edges: dict = dataclasses.field(default_factory=dict)
 
@@ -254,15 +300,17 @@ class _Memo:
 def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_placements,
                constraint_of, origins, data_axes, config, base=None,
                free_axis=None, memo: _Memo | None = None,
-               max_vars: int | None = None) -> Plan | None:
+               max_vars: int | None = None, classes: dict | None = None,
+               keys: LocalKeys | None = None, valid_base: bool = True) -> Plan | None:
     mesh_shape = tuple(mesh.shape)
-    memo = memo or _Memo(EdgePricer(gm, mesh, origins, data_axes, config=config))
+    memo = memo or _Memo(EdgePricer(gm, mesh, origins, data_axes, config=config),
+                         keys or LocalKeys(gm, constraint_of), classes or {})
     price, edges = memo.price, memo.edges
 
     def edge_cost(u, o, r) -> float:
         if o == r:
             return 0.0
-        key = (u, o, r)
+        key = (price.key(u), o, r)
         cost = edges.get(key)
         if cost is None:
             cost = edges[key] = price(u, o, r)
@@ -271,9 +319,11 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
     bwd, data_idx = roles.tangent_dependent(gm.graph), _data_idx(mesh, data_axes)
     ilp = ShardingILP(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
                       grad_placements, constraint_of, edge_cost, base=base, free_axis=free_axis,
+                      valid_base=valid_base,
                       keep=lambda n, sp: data_parallel_ok(n, sp, bwd, data_idx),
                       strategy_cache=memo.strategies, config=config,
-                      max_vars=config.axis_max_vars if max_vars is None else max_vars)
+                      max_vars=config.axis_max_vars if max_vars is None else max_vars,
+                      keys=memo.keys, classes=memo.classes, price_key=price.key)
     sol = ilp.solve(config.ilp_time_limit_s)
     if sol is None:
         return None
@@ -490,6 +540,15 @@ class EdgePricer:
         self.weights = weights if any(w != 1.0 for w in weights) else None
         self.params = parameter_views(gm, origins, _priced_axes(mesh, data_axes))
         self.data_idx = _data_idx(mesh, data_axes)
+        self._keys: dict[fx.Node, tuple] = {}
+
+    def key(self, node: fx.Node) -> tuple:
+        """What the price of redistributing ``node`` depends on besides the two placements."""
+        key = self._keys.get(node)
+        if key is None:
+            val = node.meta["val"]
+            key = self._keys[node] = (tuple(val.shape), val.dtype, self.params.get(node))
+        return key
 
     def __call__(self, node: fx.Node, cur, req) -> float:
         val = node.meta["val"]

@@ -92,18 +92,35 @@ class ShardingILP:
                  max_vars: int = DEFAULT.joint_max_vars,
                  base: dict[str, OpSpec] | None = None,
                  free_axis: int | None = None,
+                 valid_base: bool = True,
                  keep: Callable[[fx.Node, OpSpec], bool] | None = None,
                  strategy_cache: dict | None = None,
-                 config: PlannerConfig = DEFAULT) -> None:
+                 config: PlannerConfig = DEFAULT,
+                 keys: Callable[[fx.Node], object] | None = None,
+                 classes: dict[fx.Node, int] | None = None,
+                 price_key: Callable[[fx.Node], object] | None = None) -> None:
         self.keep, self.config = keep, config
-        # OpStrategies depend only on the node, its inputs' placements, the mesh, constraints
-        # and ``keep``: the caller shares this cache between ILPs that agree on those (the
-        # descent re-solves one graph up to 6 times; enumerating was half the planning time)
+        # OpStrategies depend only on the node's local key (``repeats.LocalKeys``: layer 17's
+        # mm has layer 3's key), its inputs' placements, the mesh, constraints and ``keep``: the
+        # caller shares this cache between ILPs that agree on those (the descent re-solves one
+        # graph up to 6 times; enumerating was half the planning time)
         self._strategies = {} if strategy_cache is None else strategy_cache
+        self._key = keys if keys is not None else (lambda n: n)
+        # values with equal price keys cost the same to redistribute (``EdgePricer.key``)
+        self._price_key = price_key if price_key is not None else (lambda n: n)
+        # nodes of one repeat class (``repeats.repeat_classes``) with equal option lists share
+        # one set of choice variables: ``owner[n]`` holds them (the class's first node)
+        self._classes = classes or {}
+        self._first_of_class: dict[int, fx.Node] = {}
+        self.owner: dict[fx.Node, fx.Node] = {}
+        self._options_memo: dict[tuple, list[OpSpec]] = {}
+        self._outs: dict[fx.Node, list] = {}  # output placements a node may take, in order
         self.max_vars = max_vars
         # with ``base`` (an OpSpec per node name), only OpSpecs that agree with it on every mesh
         # axis but ``free_axis`` are offered: one block of a coordinate descent over mesh axes
-        self.base, self.free_axis = base, free_axis
+        # ``valid_base``: every base OpSpec is a valid OpSpec of its node (a plan this planner
+        # made), not a combination of per-axis choices that may clash
+        self.base, self.free_axis, self.valid_base = base, free_axis, valid_base
         self.gm, self.mesh = gm, mesh
         self.mesh_shape = tuple(mesh.shape)
         self.edge_cost = edge_cost
@@ -120,6 +137,7 @@ class ShardingILP:
         self.constraint_of = constraint_of
         for node, pl in zip(self.primals, primal_placements):
             self.options[node] = [OpSpec((), pl, RuleKind.INPUT)]
+            self.owner[node] = node
         # a lower bound of the variable count, kept while enumerating: a program over the cap
         # is abandoned as soon as that is known (a 2-D Llama enumerated 3x the cap, then built
         # every row, only to be rejected: 65% of the planning time at 32 layers)
@@ -134,7 +152,7 @@ class ShardingILP:
 
     # -- OpStrategies ----------------------------------------------------------------------------
     def strategy(self, node: fx.Node, current, strided_in: Strided = NO_STRIDED) -> list[OpSpec]:
-        key = (node, tuple(current), strided_in)
+        key = (self._key(node), tuple(current), strided_in)
         specs = self._strategies.get(key)
         if specs is None:
             specs = op_strategy(node, current, self.mesh, self.mesh_shape, self.constraint_of,
@@ -144,10 +162,12 @@ class ShardingILP:
         return list(specs)
 
     def outputs_of(self, node: fx.Node) -> list:
-        return list(dict.fromkeys(s.output for s in self.options[node]))
+        outs = self._outs.get(node)
+        if outs is None:
+            outs = self._outs[node] = list(dict.fromkeys(s.output for s in self.options[node]))
+        return outs
 
     def _enumerate(self) -> None:
-        ndim = len(self.mesh_shape)
         tangent_src = dict(zip(self.tangents, (self.outs[j] for j in self.diff_outputs)))
         tangent_of = dict(zip(self.tangents, self.diff_outputs))
         # forward part first: a cotangent's options come from its forward output's
@@ -168,6 +188,7 @@ class ShardingILP:
                                       for o in outs]
                 for j, o in enumerate(outs):
                     self.ties.append((node, j, src, o))
+                self._share(node)
                 continue
             if node.op not in ("call_function", "get_attr"):
                 continue
@@ -179,32 +200,66 @@ class ShardingILP:
                     for o in outs]
                 for j, o in enumerate(outs):
                     self.ties.append((node, j, src, o))
+                self._share(node)
                 continue
             targs = tensor_args(node)
             choices = [self.outputs_of(a) for a in targs]
-            first = [c[0] for c in choices]
-            # block-strided options only for the split factors the inputs may hold (and, for
-            # ops that build them from pieces, the program's own): ``rules.strided``
-            local = strided_factors(choices)
-            strided_in = Strided(local, program) if local or program else NO_STRIDED
-            specs = self.strategy(node, first, strided_in)
-            if specs and specs[0].kind is RuleKind.DTENSOR:
-                # DTensor's rules enumerate from the inputs' current placements: ask once per
-                # placement each input can take (others at their first), and take the union
-                for k, opts in enumerate(choices):
-                    for o in opts[1:]:
-                        cur = list(first)
-                        cur[k] = o
-                        specs += self.strategy(node, cur, strided_in)
-            specs = list(dict.fromkeys(specs))
-            if self.base is not None and node.name in self.base:
-                keep = self.base[node.name]
-                # a base OpSpec this node cannot take (two axes' choices clash): the node is free
-                specs = [sp for sp in specs if _agrees(sp, keep, self.free_axis)] or specs
-            if not specs:
-                specs = [replicated_spec(node, ndim, RuleKind.FALLBACK)]
-            self.options[node] = specs = specs[:self.config.max_options]
-            self._count(node, specs, targs)
+            base = self.base.get(node.name) if self.base is not None else None
+            # a repeated layer's node asks what its twin in another layer asked: answered once
+            key = (self._key(node), tuple(map(tuple, choices)), base)
+            specs = self._options_memo.get(key)
+            if specs is None:
+                specs = self._options_memo[key] = self._offer(node, choices, base, program)
+            self.options[node] = specs
+            if self._share(node):
+                self._count(node, specs, targs)
+
+    def _offer(self, node: fx.Node, choices: list[list], base: OpSpec | None,
+               program: frozenset[int]) -> list[OpSpec]:
+        """The OpSpecs ``node`` is offered, given the output placements each input may take."""
+        ndim = len(self.mesh_shape)
+        first = [c[0] for c in choices]
+        # block-strided options only for the split factors the inputs may hold (and, for
+        # ops that build them from pieces, the program's own): ``rules.strided``
+        local = strided_factors(choices)
+        strided_in = Strided(local, program) if local or program else NO_STRIDED
+        specs = self.strategy(node, first, strided_in)
+        if specs and specs[0].kind is RuleKind.DTENSOR:
+            # DTensor's rules enumerate from the inputs' current placements: ask once per
+            # placement each input can take (others at their first), and take the union
+            for k, opts in enumerate(choices):
+                for o in opts[1:]:
+                    cur = list(first)
+                    cur[k] = o
+                    specs += self.strategy(node, cur, strided_in)
+        specs = list(dict.fromkeys(specs))
+        if base is not None:
+            every = specs
+            specs = [sp for sp in specs if _agrees(sp, base, self.free_axis)]
+            if self.valid_base and all((sp.inputs, sp.output) != (base.inputs, base.output)
+                                       for sp in specs):
+                # DTensor's rules, asked one input at a time, may not offer the base's own
+                # OpSpec: without it the base is infeasible and a descent step can end worse
+                specs.insert(0, base)
+            # a base OpSpec this node cannot take (two axes' choices clash): the node is free
+            specs = specs or every
+        if not specs:
+            specs = [replicated_spec(node, ndim, RuleKind.FALLBACK)]
+        return specs[:self.config.max_options]
+
+    def _share(self, node: fx.Node) -> bool:
+        """Record who holds ``node``'s choice variables; True when it holds its own."""
+        cls = self._classes.get(node)
+        first = node if cls is None else self._first_of_class.setdefault(cls, node)
+        # with a base plan, only members that chose alike there: the base stays feasible, so a
+        # descent step never ends worse than where it started
+        same_base = self.base is None or \
+            self.base.get(first.name) == self.base.get(node.name)
+        if first is not node and same_base and self.options[first] == self.options[node]:
+            self.owner[node] = first
+            return False
+        self.owner[node] = node
+        return True
 
     def _count(self, node: fx.Node, specs: list[OpSpec], targs: list[fx.Node]) -> None:
         """Add ``node``'s choice and flow variables (as ``solve`` creates them) to the bound."""
@@ -225,11 +280,13 @@ class ShardingILP:
         if self.too_large:
             return None
         t0 = time.perf_counter()
-        xi: dict[tuple[fx.Node, int], int] = {}
+        own = self.owner
         nodes = [n for n in self.gm.graph.nodes if n in self.options]
+        xi: dict[tuple[fx.Node, int], int] = {}
         for n in nodes:
-            for s in range(len(self.options[n])):
-                xi[(n, s)] = len(xi)
+            if own[n] is n:
+                for s in range(len(self.options[n])):
+                    xi[(n, s)] = len(xi)
         cost: list[float] = [0.0] * len(xi)
         rows, cols, vals, lo, hi = [], [], [], [], []
 
@@ -243,18 +300,33 @@ class ShardingILP:
             hi.append(high)
 
         def X(u, o):
-            return [xi[(u, s)] for s, spec in enumerate(self.options[u]) if spec.output == o]
+            return [xi[(own[u], s)] for s, spec in enumerate(self.options[u]) if spec.output == o]
 
-        # choose one
+        # choose one (per owner of choice variables)
         for n in nodes:
-            add_row([(xi[(n, s)], 1.0) for s in range(len(self.options[n]))], 1.0, 1.0)
-        # ties
-        for g, j, u, o in self.ties:
+            if own[n] is n:
+                add_row([(xi[(n, s)], 1.0) for s in range(len(self.options[n]))], 1.0, 1.0)
+        # ties (repeated layers give the same row again: added once)
+        for g, j, u, o in dict.fromkeys((own[g], j, own[u], o) for g, j, u, o in self.ties):
             add_row([(xi[(g, j)], 1.0)] + [(c, -1.0) for c in X(u, o)], 0.0, 0.0)
         # edges: per consumer slot a transportation flow e[o,r] between the producer's output
         # choice and the consumer's input requirement (tight, unlike y >= X + Z - 1); one
         # y[u,o,r] >= e[o,r] per (value, from, to) is what the objective pays, shared by all
         # consumers because lowering redistributes a value once per target placement.
+        # Repeated layers: a slot is a block (owner of v, k, owner of u); values whose consumer
+        # blocks are the same set share one y, which pays the sum of their costs -- the same
+        # objective as one y per value once the class members choose alike.
+        slots = [(v, k, u) for v in nodes if v.op == "call_function" and v.target is not GETITEM
+                 for k, u in enumerate(tensor_args(v))]
+        blocks_of: dict[fx.Node, set] = {}
+        for v, k, u in slots:
+            blocks_of.setdefault(u, set()).add((own[v], k, own[u]))
+        group: dict[fx.Node, tuple] = {u: (own[u], frozenset(b)) for u, b in blocks_of.items()}
+        # per group: one value per price key, with how many members share it
+        members: dict[tuple, dict[object, list]] = {}
+        for u, g in group.items():
+            by_price = members.setdefault(g, {})
+            by_price.setdefault(self._price_key(u), [u, 0])[1] += 1
         yi: dict[tuple, int] = {}
         n_edge = 0
         extra_cost: list[float] = []
@@ -263,53 +335,58 @@ class ShardingILP:
             extra_cost.append(c)
             return len(xi) + len(extra_cost) - 1
 
-        for v in nodes:
-            if v.op != "call_function" or v.target is GETITEM:
+        def y_of(u, o, r) -> int | None:
+            """The y variable of value u's group from o to r (None: free for all of them)."""
+            key = (group[u], o, r)
+            if key not in yi:
+                c = sum(n * self.edge_cost(m, o, r) for m, n in members[group[u]].values())
+                yi[key] = new_var(c) if c > 0 else None
+            return yi[key]
+
+        flows: dict[tuple, dict] = {}
+        linked: set[tuple] = set()
+        for v, k, u in slots:
+            block = (own[v], k, own[u])
+            if (block, group[u]) in linked:
                 continue
-            for k, u in enumerate(tensor_args(v)):
-                by_req: dict[object, list[int]] = {}
-                for s, spec in enumerate(self.options[v]):
-                    by_req.setdefault(spec.inputs[k], []).append(xi[(v, s)])
-                outs = self.outputs_of(u)
-                if len(outs) == 1 and len(by_req) == 1:
-                    o, r = outs[0], next(iter(by_req))
-                    c = self.edge_cost(u, o, r)
-                    if c > 0:  # forced: a constant, no variable needed
-                        key = (u, o, r)
-                        if key not in yi:
-                            yi[key] = new_var(c)
-                            add_row([(yi[key], 1.0)], 1.0, 1.0)
-                    continue
-                e = {}
-                for o in outs:
-                    for r in by_req:
-                        e[(o, r)] = new_var(0.0)
-                        n_edge += 1
+            linked.add((block, group[u]))
+            by_req: dict[object, list[int]] = {}
+            for s, spec in enumerate(self.options[v]):
+                by_req.setdefault(spec.inputs[k], []).append(xi[(own[v], s)])
+            outs = self.outputs_of(u)
+            if len(outs) == 1 and len(by_req) == 1:
+                y = y_of(u, outs[0], next(iter(by_req)))
+                if y is not None:  # forced: pays whatever happens
+                    add_row([(y, 1.0)], 1.0, 1.0)
+                continue
+            e = flows.get(block)
+            if e is None:
+                e = flows[block] = {(o, r): new_var(0.0) for o in outs for r in by_req}
+                n_edge += len(e)
                 for o in outs:
                     add_row([(e[(o, r)], 1.0) for r in by_req] + [(x, -1.0) for x in X(u, o)],
                             0.0, 0.0)
                 for r, zs in by_req.items():
-                    add_row([(e[(o, r)], 1.0) for o in outs] + [(z, -1.0) for z in zs], 0.0, 0.0)
-                for (o, r), ev in e.items():
-                    c = self.edge_cost(u, o, r)
-                    if c <= 0:
-                        continue
-                    key = (u, o, r)
-                    if key not in yi:
-                        yi[key] = new_var(c)
-                    add_row([(yi[key], 1.0), (ev, -1.0)], 0.0, np.inf)
+                    add_row([(e[(o, r)], 1.0) for o in outs] + [(z, -1.0) for z in zs],
+                            0.0, 0.0)
+            for (o, r), ev in e.items():
+                y = y_of(u, o, r)
+                if y is not None:
+                    add_row([(y, 1.0), (ev, -1.0)], 0.0, np.inf)
+        yi = {k: y for k, y in yi.items() if y is not None}
         cost.extend(extra_cost)
-        # objective: compute, and outputs to their required placements
+        # objective: compute, and outputs to their required placements (each member's, on its
+        # owner's variables)
         for n in nodes:
             if n.op == "call_function" and has_node_cost(n):
                 for s, spec in enumerate(self.options[n]):
-                    cost[xi[(n, s)]] += node_cost(n, spec, self.mesh_shape, self.config)
+                    cost[xi[(own[n], s)]] += node_cost(n, spec, self.mesh_shape, self.config)
         for i, o in enumerate(self.outs):
             if not isinstance(o, fx.Node) or o not in self.options:
                 continue
             for s, spec in enumerate(self.options[o]):
                 want = self.want(i, spec.output)
-                cost[xi[(o, s)]] += self.edge_cost(o, spec.output, want)
+                cost[xi[(own[o], s)]] += self.edge_cost(o, spec.output, want)
         n_var = len(cost)
         if n_var > self.max_vars:
             log.info("dynamo_dist: sharding ILP too large (%d variables > %d); not solved",
@@ -328,7 +405,7 @@ class ShardingILP:
             return None
         chosen = {}
         for n in nodes:
-            best = max(range(len(self.options[n])), key=lambda s: res.x[xi[(n, s)]])
+            best = max(range(len(self.options[n])), key=lambda s: res.x[xi[(own[n], s)]])
             chosen[n] = self.options[n][best]
         log.info("dynamo_dist: sharding ILP: %d choice vars, %d flow vars, %d cost vars, "
                  "%d rows, objective %.3g, %.1fs (%s)", len(xi), n_edge, len(yi), len(lo),

@@ -1,0 +1,127 @@
+"""Repeated layers in the planner (issue 17): layer-invariant keys, repeat classes, and ILPs whose
+class members share choice variables. The property that matters: sharing changes how long
+planning takes, never which plan it makes worse."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from inductor_passes.core import roles
+from inductor_passes.sharding.config import PlannerConfig
+from inductor_passes.sharding.repeats import LocalKeys, repeat_classes
+from tests.test_solver import _graph, _plan
+
+R = Replicate()
+
+
+def _stack(layers: int, b: int = 8, d: int = 16, h: int = 32):
+    """``layers`` residual MLP blocks (x + relu(x @ w1) @ w2), each with its own weights,
+    then a sum: the shape of a transformer's repeated body, small."""
+    def fn(x, *ws):
+        for i in range(layers):
+            x = x + torch.relu(x @ ws[2 * i]) @ ws[2 * i + 1]
+        return (x.sum(),)
+
+    shapes = [(b, d)] + [s for _ in range(layers) for s in ((d, h), (h, d))]
+    return _graph(fn, *shapes)
+
+
+def _megatron(layers: int, axis: int = 0, ndim: int = 1):
+    """Column- then row-parallel weights on mesh axis ``axis``; the batch on the other axis."""
+    def pl(p):
+        out = [R] * ndim
+        out[axis] = p
+        return tuple(out)
+
+    x = pl(R) if ndim == 1 else tuple(Shard(0) if i != axis else R for i in range(ndim))
+    return [x] + [pl(Shard(1)), pl(Shard(0))] * layers
+
+
+def test_interior_layers_share_a_class_and_the_ends_do_not():
+    """Colour refinement puts layer 3's matmul with layer 4's, but not with layer 0's (the
+    residual adds put layer i's input i hops from the model's input: the first ``rounds``
+    layers are told apart) nor the last layer's (near the sum)."""
+    gm = _stack(8)
+    classes = repeat_classes(gm, LocalKeys(gm, lambda n: None), rounds=3)
+    mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    first_mm = mms[0::2]  # x @ w1 of each layer
+    assert len(first_mm) == 8
+    colours = [classes[n] for n in first_mm]
+    assert len(set(colours[3:7])) == 1, colours
+    assert colours[0] != colours[3] and colours[-1] != colours[3]
+    none = repeat_classes(gm, LocalKeys(gm, lambda n: None), rounds=0)
+    assert len(set(none.values())) == len(none)  # 0 rounds: nothing shared
+
+
+def test_local_keys_tell_a_value_passed_twice_from_two_values():
+    """``mul(x, x)`` has one placement for both operands (rules/_one_placement_per_value), so
+    its OpStrategy is not ``mul(x, y)``'s even with equal shapes: their keys differ."""
+    gm = _graph(lambda x, y: (x * x, x * y, y * y), (4, 4), (4, 4))
+    keys = LocalKeys(gm, lambda n: None)
+    sq, xy, sq2 = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    assert keys(sq) == keys(sq2) and keys(sq) != keys(xy)
+
+
+@pytest.mark.parametrize("mesh_shape,names,ndim", [((2,), ("tp",), 1),
+                                                    ((2, 2), ("dp", "tp"), 2)])
+def test_sharing_keeps_the_optimum_on_a_stack_of_layers(fake_mesh, mesh_shape, names, ndim):
+    """The same plan cost with repeat classes as with every node free (repeat_rounds=0), on a
+    1-D mesh (one ILP) and a 2-D mesh (per-axis start, joint ILP outside the repeated layers,
+    descent); on 1-D the plan is Megatron's in every layer."""
+    mesh = fake_mesh(mesh_shape, names)
+    gm = _stack(6)
+    pls = _megatron(6, axis=ndim - 1, ndim=ndim)
+    cap = {} if ndim == 1 else {"joint_max_vars": 1}  # 2-D: the per-axis path, not the joint
+    shared = _plan(gm, mesh, pls, PlannerConfig(**cap))
+    free = _plan(gm, mesh, pls, PlannerConfig(repeat_rounds=0, **cap))
+    assert shared.total_cost == pytest.approx(free.total_cost, rel=1e-9)
+    if ndim == 1:
+        mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+        assert all(shared.nodes[n.name].output == (Shard(1),) for n in mms[0::2])
+
+
+_PLACEMENTS = st.sampled_from([(R,), (Shard(0),), (Shard(1),)])
+
+
+# the fixture only hands out make_fake_mesh (a fresh fake process group per call)
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layers=st.integers(2, 5), pins=st.lists(_PLACEMENTS, min_size=11, max_size=11),
+       rounds=st.integers(1, 4))
+def test_sharing_never_plans_worse_than_free_variables(fake_mesh, layers, pins, rounds):
+    """Random weight placements per layer (layers that differ are told apart by their pins) and
+    refinement depths: the plan with shared variables costs what the free plan costs (a class
+    is one place of identical layers, whose optimum repeats), and at least as much (it is a
+    restriction of the same program)."""
+    mesh = fake_mesh((2,), ("tp",))
+    gm = _stack(layers)
+    pls = pins[:1 + 2 * layers]
+    shared = _plan(gm, mesh, pls, PlannerConfig(repeat_rounds=rounds))
+    free = _plan(gm, mesh, pls, PlannerConfig(repeat_rounds=0))
+    assert shared.total_cost >= free.total_cost * (1 - 1e-9)
+    assert shared.total_cost == pytest.approx(free.total_cost, rel=1e-6)
+
+
+def test_a_descent_step_never_ends_above_its_base(fake_mesh):
+    """On a 2-D mesh every descent ILP holds its base plan (the base's own OpSpec is offered even
+    where DTensor's rules, asked one input at a time, do not): each recorded descent objective
+    is at most the one before it."""
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    gm = _stack(4)
+    plan = _plan(gm, mesh, _megatron(4, axis=1, ndim=2), PlannerConfig(joint_max_vars=1))
+    steps = [s for s in plan.stages if s.solved and s.objective is not None and
+             ("descent" in s.stage or "price" in s.stage or "joint ILP outside" in s.stage)]
+    assert steps and steps[0].stage.startswith("price")
+    best = steps[0].objective
+    for s in steps[1:]:
+        assert s.objective <= best * (1 + 1e-9), (s, best)
+        best = min(best, s.objective)
+    assert plan.total_cost == pytest.approx(best)
+
+
+def test_roles_of_a_stack_are_primals(fake_mesh):
+    """The stack's inputs are primals (what ``_classes`` reads to tell parameters apart)."""
+    gm = _stack(2)
+    assert len(roles.primals(gm.graph)) == 5
