@@ -231,7 +231,7 @@ def inductor_seconds(joint) -> dict:
 
 
 def _planner_config(max_vars: int | None, time_limit: float | None):
-    """The planner's settings for this run: the library's defaults (``PlannerConfig``: 100k
+    """The planner's settings for this run: the library's defaults (``PlannerConfig``: 200k
     variables for the joint N-D ILP, 1M for the others, 30 s per ILP) or ``DYNAMO_DIST_PLANNER``,
     with ``--ilp-max-vars`` capping every ILP and ``--ilp-time-limit`` setting HiGHS's limit of
     each."""
@@ -605,7 +605,7 @@ def write_markdown() -> str:
                       if r.get("loadavg") else "- |"))
     md.append("")
     md += ["Planner stages of each run (seconds; an ILP not 'solved' was too large (the joint "
-           "programs over 100k variables, 200k before repeated layers shared variables; others "
+           "programs over 200k variables; others "
            "over 1M; before 4cc8269 every ILP over 200k) or not optimal within its 30 s limit, "
            "and is skipped):", ""]
     for r in runs:
@@ -792,7 +792,7 @@ def main() -> None:
                          "backward graphs (moved to CPU fake tensors; nothing runs)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the DTensor plan")
     ap.add_argument("--ilp-max-vars", type=int, default=None,
-                    help="experiment: skip ILPs above this many variables (library: 100000 joint, 1000000 others)")
+                    help="experiment: skip ILPs above this many variables (library: 200000 joint, 1000000 others)")
     ap.add_argument("--ilp-time-limit", type=float, default=None,
                     help="experiment: HiGHS time limit per ILP in seconds (library: 30)")
     ap.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)  # child process

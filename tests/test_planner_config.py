@@ -20,7 +20,7 @@ from inductor_passes.sharding.cost import redistribute_cost
 def test_defaults_are_the_planner_s_former_constants():
     assert DEFAULT == PlannerConfig()
     assert DEFAULT.method is PlanMethod.ILP
-    assert (DEFAULT.joint_max_vars, DEFAULT.axis_max_vars) == (100_000, 1_000_000)
+    assert (DEFAULT.joint_max_vars, DEFAULT.axis_max_vars) == (200_000, 1_000_000)
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT.greedy_rounds = 5
 

@@ -71,10 +71,10 @@ def test_sharing_keeps_the_optimum_on_a_stack_of_layers(fake_mesh, mesh_shape, n
     1-D mesh (one ILP) and a 2-D mesh (per-axis start, joint ILP outside the repeated layers,
     descent); on 1-D the plan is Megatron's in every layer."""
     mesh = fake_mesh(mesh_shape, names)
-    gm = _stack(6)
-    pls = _megatron(6, axis=ndim - 1, ndim=ndim)
+    gm = _stack(8)
+    pls = _megatron(8, axis=ndim - 1, ndim=ndim)
     cap = {} if ndim == 1 else {"joint_max_vars": 1}  # 2-D: the per-axis path, not the joint
-    shared = _plan(gm, mesh, pls, PlannerConfig(**cap))
+    shared = _plan(gm, mesh, pls, PlannerConfig(min_repeats=2, **cap))
     free = _plan(gm, mesh, pls, PlannerConfig(repeat_rounds=0, **cap))
     assert shared.total_cost == pytest.approx(free.total_cost, rel=1e-9)
     if ndim == 1:
@@ -88,20 +88,20 @@ _PLACEMENTS = st.sampled_from([(R,), (Shard(0),), (Shard(1),)])
 # the fixture only hands out make_fake_mesh (a fresh fake process group per call)
 @settings(max_examples=12, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(layers=st.integers(2, 5), pins=st.lists(_PLACEMENTS, min_size=11, max_size=11),
-       rounds=st.integers(1, 4))
-def test_sharing_never_plans_worse_than_free_variables(fake_mesh, layers, pins, rounds):
-    """Random weight placements per layer (layers that differ are told apart by their pins) and
-    refinement depths: the plan with shared variables costs what the free plan costs (a class
-    is one place of identical layers, whose optimum repeats), and at least as much (it is a
-    restriction of the same program)."""
+@given(layers=st.integers(2, 7), pins=st.lists(_PLACEMENTS, min_size=15, max_size=15),
+       rounds=st.integers(1, 4), least=st.integers(2, 4))
+def test_sharing_never_plans_worse_than_free_variables(fake_mesh, layers, pins, rounds, least):
+    """Random weight placements per layer (layers that differ are told apart by their pins),
+    refinement depths and class sizes: the plan with shared variables costs at least what the
+    free plan costs (it is a restriction of the same program, priced exactly). Not a property:
+    equality. With classes of 2 Hypothesis found a 2-layer stack 2x dearer (a class sees only
+    ``repeat_rounds`` hops; the pins further away differ), hence ``min_repeats`` 8."""
     mesh = fake_mesh((2,), ("tp",))
     gm = _stack(layers)
     pls = pins[:1 + 2 * layers]
-    shared = _plan(gm, mesh, pls, PlannerConfig(repeat_rounds=rounds))
+    shared = _plan(gm, mesh, pls, PlannerConfig(repeat_rounds=rounds, min_repeats=least))
     free = _plan(gm, mesh, pls, PlannerConfig(repeat_rounds=0))
     assert shared.total_cost >= free.total_cost * (1 - 1e-9)
-    assert shared.total_cost == pytest.approx(free.total_cost, rel=1e-6)
 
 
 def test_a_descent_step_never_ends_above_its_base(fake_mesh):
@@ -110,7 +110,8 @@ def test_a_descent_step_never_ends_above_its_base(fake_mesh):
     is at most the one before it."""
     mesh = fake_mesh((2, 2), ("dp", "tp"))
     gm = _stack(4)
-    plan = _plan(gm, mesh, _megatron(4, axis=1, ndim=2), PlannerConfig(joint_max_vars=1))
+    plan = _plan(gm, mesh, _megatron(4, axis=1, ndim=2),
+                 PlannerConfig(joint_max_vars=1, min_repeats=2))
     steps = [s for s in plan.stages if s.solved and s.objective is not None and
              ("descent" in s.stage or "price" in s.stage or "joint ILP outside" in s.stage)]
     assert steps and steps[0].stage.startswith("price")

@@ -36,8 +36,9 @@ class PlannerConfig:
     ``ilp_time_limit_s``: HiGHS time limit of each ILP.
     ``joint_max_vars``: the joint N-D ILP is tried only below this many variables (it is the exact
     optimum but grows fast: 238k variables for Llama-3-8B shapes on 8 x 8 even with repeated
-    layers sharing variables, not solved in 30 s); also the cap of the joint ILP over the parts
-    outside the repeated layers (68k there, 4.5 s).
+    layers sharing variables, not solved in 30 s; at 100k it is abandoned while enumerating,
+    2.7 s sooner at 32 layers); also the cap of the joint ILP over the parts outside the
+    repeated layers (68k there, 4.5 s).
     ``axis_max_vars``: cap of the per-axis ILPs (separable start and descent): 330k variables at
     32 layers of Llama-3-8B on 8 x 8 solve in a few seconds each; below this cap the planner
     fell back to its greedy walk there (31.1 GiB on the wire per step against 24.6 GiB).
@@ -47,6 +48,10 @@ class PlannerConfig:
     (``repeats.repeat_classes``); each class shares one set of ILP choice variables, so the
     ILPs stay one layer's size in depth. More rounds tell more nodes near a model's first and
     last layer apart (left free); 0 turns the sharing off.
+    ``min_repeats``: only classes with at least this many members share variables. Sharing is
+    a restriction (members choose alike, and a class only sees ``repeat_rounds`` hops): with
+    classes of 2, a 2-layer Llama planned 13% dearer and a 2-layer MLP stack 2x; so models with
+    few repeats are planned free (the saving is in depth, not there).
     ``param_gather_factor``: a parameter gathered on a non-data axis stays resident on every
     rank, so its gather is priced at this multiple of its bytes (without a memory term the
     cheapest plan by bytes replicates parameters, as AutoParallel reports).
@@ -67,11 +72,12 @@ class PlannerConfig:
     method: PlanMethod = PlanMethod.ILP
     greedy_rounds: int = 3
     ilp_time_limit_s: float = 30.0
-    joint_max_vars: int = 100_000
+    joint_max_vars: int = 200_000
     axis_max_vars: int = 1_000_000
     descent_rounds: int = 2
     max_options: int = 64
     repeat_rounds: int = 3
+    min_repeats: int = 8
     param_gather_factor: float = 3.0
     data_axis_activation_factor: float = 1e4
     latency_bytes: float = 64 * 1024

@@ -1,8 +1,11 @@
 """Whole-graph sharding over the joint forward+backward graph: every node gets an OpSpec.
 
 ``propagate`` solves the whole program as an ILP (``solver.ShardingILP``) where it fits
-``PlannerConfig.joint_max_vars``. On an N-D mesh too large for that, one ILP per mesh axis gives
-a start (``_separable_start``), improved by per-axis block coordinate descent. Where no ILP
+``PlannerConfig.joint_max_vars``; nodes of repeated layers (``repeats.repeat_classes``) share
+one set of variables in every ILP, so their size is about one layer's. On an N-D mesh too large
+for the joint ILP, one ILP per mesh axis gives a start (``_separable_start``), made valid by a
+pricing ILP, re-planned jointly outside the repeated layers, and improved by per-axis block
+coordinate descent. Where no ILP
 fits (or with ``PlanMethod.GREEDY``), a greedy walk (``_Walk``) follows the graph in topological
 order, forward part first, then backward, so that each cotangent takes the placement of its
 forward output (as JAX does), and at each node picks the OpSpec whose input redistributes are
@@ -123,7 +126,9 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
 
     ``config`` holds every knob (``PlannerConfig``). The ILP over the whole program is solved
     where it fits ``config.joint_max_vars``; on an N-D mesh that is too large, one ILP per mesh
-    axis gives a start, improved by ``config.descent_rounds`` rounds of per-axis descent.
+    axis gives a start, repaired where two axes' choices clash (the pricing ILP), re-planned on
+    all axes outside the repeated layers (an ILP with those fixed), then improved by
+    ``config.descent_rounds`` rounds of per-axis descent.
     Where no ILP fits, or with ``PlanMethod.GREEDY``: a single greedy walk cannot see that a
     redistribute it avoids at one consumer will be paid at a later one, so the walk is repeated
     ``config.greedy_rounds`` times, each round treating the redistributes
@@ -169,11 +174,11 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
             plan = priced
         elif start is not None:
             plan = _greedy(args, stages)
-        if priced is not None:
+        repeated = _repeated(classes)
+        if priced is not None and repeated:
             # the parts outside the repeated layers (embedding, loss, lm_head, the first and
             # last layer's edges) re-planned jointly on all axes, the repeated layers fixed:
             # the moves the per-axis descent cannot make there (both axes at once)
-            repeated = _repeated(classes)
             trial = _timed(stages, "joint ILP outside the repeated layers", _solve_ilp, *args,
                            base={k: v for k, v in as_base(plan).items() if k in repeated},
                            free_axis=-1, memo=memo, max_vars=config.joint_max_vars)
@@ -218,11 +223,16 @@ def _greedy(args: tuple, stages: list[PlanStage]) -> Plan:
 
 def _classes(gm, primal_placements, origins, keys: LocalKeys, config) -> dict[fx.Node, int]:
     """``repeats.repeat_classes`` of ``gm``, inputs told apart by their pinned placement and
-    whether they are parameters (``config.repeat_rounds`` rounds)."""
+    whether they are parameters (``config.repeat_rounds`` rounds); a class with fewer than
+    ``config.min_repeats`` members is dropped (its nodes keep their own variables)."""
     pinned = dict(zip(roles.primals(gm.graph), primal_placements))
     kind = dict(zip(roles.primals(gm.graph), (o.kind for o in origins)))
-    return repeat_classes(gm, keys, config.repeat_rounds,
-                          extra=lambda n: (pinned.get(n), kind.get(n)))
+    classes = repeat_classes(gm, keys, config.repeat_rounds,
+                             extra=lambda n: (pinned.get(n), kind.get(n)))
+    size: dict[int, int] = {}
+    for c in classes.values():
+        size[c] = size.get(c, 0) + 1
+    return {n: c for n, c in classes.items() if size[c] >= config.min_repeats}
 
 
 def _timed(record: list[PlanStage], stage: str, step: Callable, *args, **kwargs):

@@ -21,6 +21,11 @@
   outputs: ``returnable``, never Partial nor unevenly split; gradients in their parameter's
   placement).
 
+Repeated layers: nodes of one ``repeats.repeat_classes`` class with equal option lists share
+the first member's x (``owner``); flow blocks are keyed by owners, and values whose consumer
+blocks are one set share one y paying the sum of their costs (AutoParallel's clustering of
+repeated layers, made exact for the restricted program).
+
 Solved with HiGHS through scipy.optimize.milp. A program over ``max_vars`` variables is abandoned
 while enumerating (``_TooLarge``), before any row is built.
 """
