@@ -143,8 +143,9 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
     if ilp:
         # repeated layers: one colouring of the graph for every ILP below
         keys = LocalKeys(gm, constraint_of)  # the per-axis ILPs too: same partition
-        classes = _timed(stages, "repeat classes", _classes, gm, primal_placements, origins,
-                         keys, config)
+        colours = _timed(stages, "repeat classes", _classes, gm, primal_placements, origins,
+                         num_fwd_outputs, grad_placements, keys, config)
+        classes = _shared(colours, config.min_repeats)
         # shared by the ILPs on this mesh
         memo = _Memo(EdgePricer(gm, mesh, origins, data_axes, config=config), keys, classes)
         max_vars = config.joint_max_vars if ndim > 1 else config.axis_max_vars
@@ -174,7 +175,9 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
             plan = priced
         elif start is not None:
             plan = _greedy(args, stages)
-        repeated = _repeated(classes)
+        # (every class of 2 or more: fixing a node to its base restricts nothing, unlike
+        # sharing variables)
+        repeated = set(n.name for n in _shared(colours, 2))
         if priced is not None and repeated:
             # the parts outside the repeated layers (embedding, loss, lm_head, the first and
             # last layer's edges) re-planned jointly on all axes, the repeated layers fixed:
@@ -198,12 +201,12 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
     return plan
 
 
-def _repeated(classes: dict[fx.Node, int]) -> set[str]:
-    """Names of the nodes whose repeat class has more than one member."""
+def _shared(colours: dict[fx.Node, int], least: int) -> dict[fx.Node, int]:
+    """The nodes of ``colours`` whose colour at least ``least`` nodes have."""
     size: dict[int, int] = {}
-    for c in classes.values():
+    for c in colours.values():
         size[c] = size.get(c, 0) + 1
-    return {n.name for n, c in classes.items() if size[c] > 1}
+    return {n: c for n, c in colours.items() if size[c] >= least}
 
 
 def _greedy(args: tuple, stages: list[PlanStage]) -> Plan:
@@ -221,18 +224,23 @@ def _greedy(args: tuple, stages: list[PlanStage]) -> Plan:
                 best.nodes, best.fallbacks, best.total)
 
 
-def _classes(gm, primal_placements, origins, keys: LocalKeys, config) -> dict[fx.Node, int]:
+def _classes(gm, primal_placements, origins, num_fwd_outputs, grad_placements, keys: LocalKeys,
+             config) -> dict[fx.Node, int]:
     """``repeats.repeat_classes`` of ``gm``, inputs told apart by their pinned placement and
-    whether they are parameters (``config.repeat_rounds`` rounds); a class with fewer than
-    ``config.min_repeats`` members is dropped (its nodes keep their own variables)."""
+    whether they are parameters, graph outputs by where they must land (a forward output, or
+    its parameter's placement for a gradient: a row- and a column-parallel weight's gradients
+    look alike in the graph); ``config.repeat_rounds`` rounds."""
     pinned = dict(zip(roles.primals(gm.graph), primal_placements))
     kind = dict(zip(roles.primals(gm.graph), (o.kind for o in origins)))
-    classes = repeat_classes(gm, keys, config.repeat_rounds,
-                             extra=lambda n: (pinned.get(n), kind.get(n)))
-    size: dict[int, int] = {}
-    for c in classes.values():
-        size[c] = size.get(c, 0) + 1
-    return {n: c for n, c in classes.items() if size[c] >= config.min_repeats}
+    lands: dict[fx.Node, list] = {}
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    for i, o in enumerate(output.args[0]):
+        if isinstance(o, fx.Node):
+            lands.setdefault(o, []).append(
+                "forward" if i < num_fwd_outputs else grad_placements[i - num_fwd_outputs])
+    return repeat_classes(gm, keys, config.repeat_rounds,
+                          extra=lambda n: (pinned.get(n), kind.get(n),
+                                           tuple(map(str, lands.get(n, ())))))
 
 
 def _timed(record: list[PlanStage], stage: str, step: Callable, *args, **kwargs):

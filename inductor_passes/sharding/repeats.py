@@ -92,9 +92,10 @@ def repeat_classes(gm: fx.GraphModule, keys: LocalKeys, rounds: int,
                    extra: Callable[[fx.Node], object] = lambda n: None) -> dict[fx.Node, int]:
     """node -> colour after ``rounds`` of Weisfeiler-Lehman refinement over the graph's edges
     (both directions, with argument slots), starting from ``keys`` (placeholders: their value's
-    metadata, primal or tangent, and ``extra(node)``). Nodes with equal colours are in the same
-    place of identical repeated structure as far as ``rounds`` hops see. ``rounds`` 0: every
-    node has its own colour (nothing shared)."""
+    metadata and primal or tangent) and ``extra(node)`` (what the caller knows that the graph
+    does not show: pinned placements, where a graph output must land). Nodes with equal colours
+    are in the same place of identical repeated structure as far as ``rounds`` hops see.
+    ``rounds`` 0: every node has its own colour (nothing shared)."""
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
     if rounds <= 0:
         return {n: i for i, n in enumerate(nodes)}
@@ -108,7 +109,7 @@ def repeat_classes(gm: fx.GraphModule, keys: LocalKeys, rounds: int,
             return ("ph", roles.is_primal(n), _val_key(n.meta.get("val")), extra(n))
         if n.op == "get_attr":
             return ("self", n)
-        return keys(n)
+        return keys(n), extra(n)
 
     col = {n: colour(start(n)) for n in nodes}
     ins = {n: [a for a in n.all_input_nodes if a in col] for n in nodes}
