@@ -120,6 +120,7 @@ class ShardingILP:
         self.owner: dict[fx.Node, fx.Node] = {}
         self._options_memo: dict[tuple, list[OpSpec]] = {}
         self._outs: dict[fx.Node, list] = {}  # output placements a node may take, in order
+        self._blocks_counted: set[tuple] = set()
         self.max_vars = max_vars
         # with ``base`` (an OpSpec per node name), only OpSpecs that agree with it on every mesh
         # axis but ``free_axis`` are offered: one block of a coordinate descent over mesh axes
@@ -216,8 +217,7 @@ class ShardingILP:
             if specs is None:
                 specs = self._options_memo[key] = self._offer(node, choices, base, program)
             self.options[node] = specs
-            if self._share(node):
-                self._count(node, specs, targs)
+            self._count(node, specs, targs, own=self._share(node))
 
     def _offer(self, node: fx.Node, choices: list[list], base: OpSpec | None,
                program: frozenset[int]) -> list[OpSpec]:
@@ -266,11 +266,18 @@ class ShardingILP:
         self.owner[node] = node
         return True
 
-    def _count(self, node: fx.Node, specs: list[OpSpec], targs: list[fx.Node]) -> None:
-        """Add ``node``'s choice and flow variables (as ``solve`` creates them) to the bound."""
-        self.min_vars += len(specs)
+    def _count(self, node: fx.Node, specs: list[OpSpec], targs: list[fx.Node],
+               own: bool) -> None:
+        """Add ``node``'s choice variables (if it holds its own) and the flow variables of its
+        input slots that ``solve`` has not made for another member of its class to the bound."""
+        if own:
+            self.min_vars += len(specs)
         if node.op == "call_function":
             for k, u in enumerate(targs):
+                block = (self.owner[node], k, self.owner.get(u, u))
+                if block in self._blocks_counted:
+                    continue
+                self._blocks_counted.add(block)
                 outs, reqs = len(self.outputs_of(u)), len({sp.inputs[k] for sp in specs})
                 if outs > 1 or reqs > 1:
                     self.min_vars += outs * reqs
@@ -304,8 +311,15 @@ class ShardingILP:
             lo.append(low)
             hi.append(high)
 
+        by_output: dict[fx.Node, dict] = {}  # owner -> output placement -> its x columns
+
         def X(u, o):
-            return [xi[(own[u], s)] for s, spec in enumerate(self.options[u]) if spec.output == o]
+            cols = by_output.get(own[u])
+            if cols is None:
+                cols = by_output[own[u]] = {}
+                for s, spec in enumerate(self.options[u]):
+                    cols.setdefault(spec.output, []).append(xi[(own[u], s)])
+            return cols.get(o, [])
 
         # choose one (per owner of choice variables)
         for n in nodes:
@@ -326,9 +340,13 @@ class ShardingILP:
         blocks_of: dict[fx.Node, set] = {}
         for v, k, u in slots:
             blocks_of.setdefault(u, set()).add((own[v], k, own[u]))
-        group: dict[fx.Node, tuple] = {u: (own[u], frozenset(b)) for u, b in blocks_of.items()}
+        ids: dict[tuple, int] = {}  # a group (owner, its consumer blocks) as a small int
+        group: dict[fx.Node, int] = {u: ids.setdefault((own[u], frozenset(b)), len(ids))
+                                     for u, b in blocks_of.items()}
+        if self._over_cap(len(xi), slots, group):
+            return None
         # per group: one value per price key, with how many members share it
-        members: dict[tuple, dict[object, list]] = {}
+        members: dict[int, dict[object, list]] = {}
         for u, g in group.items():
             by_price = members.setdefault(g, {})
             by_price.setdefault(self._price_key(u), [u, 0])[1] += 1
@@ -375,6 +393,8 @@ class ShardingILP:
                     add_row([(e[(o, r)], 1.0) for o in outs] + [(z, -1.0) for z in zs],
                             0.0, 0.0)
             for (o, r), ev in e.items():
+                if o == r:  # staying put is free
+                    continue
                 y = y_of(u, o, r)
                 if y is not None:
                     add_row([(y, 1.0), (ev, -1.0)], 0.0, np.inf)
@@ -417,6 +437,31 @@ class ShardingILP:
                  res.fun, seconds, res.message)
         return Solution(chosen, {n: len(self.options[n]) for n in nodes}, float(res.fun),
                         seconds, str(res.message))
+
+    def _over_cap(self, n_choice: int, slots: list, group: dict) -> bool:
+        """Whether the program ``solve`` would build exceeds ``max_vars``: its choice, flow and
+        redistribute variables counted (a redistribute counted for every move, priced or not)
+        before any cost is priced or row built -- the whole-program joint ILP of a deep model
+        on an N-D mesh is just over the cap, and building it took 3 of 14 s at 32 layers."""
+        own = self.owner
+        n_flow, ys, seen = 0, set(), set()
+        for v, k, u in slots:
+            block = (own[v], k, own[u])
+            if (block, group[u]) in seen:
+                continue
+            seen.add((block, group[u]))
+            outs = self.outputs_of(u)
+            reqs = {spec.inputs[k] for spec in self.options[v]}
+            if not (len(outs) == 1 and len(reqs) == 1) and block not in seen:
+                seen.add(block)
+                n_flow += len(outs) * len(reqs)
+            ys.update((group[u], o, r) for o in outs for r in reqs if o != r)
+        total = n_choice + n_flow + len(ys)
+        if total > self.max_vars:
+            log.info("dynamo_dist: sharding ILP too large (about %d variables > %d); not built",
+                     total, self.max_vars)
+            return True
+        return False
 
     def want(self, i: int, produced) -> Placements:
         """Required placement of graph output i, given what its producer produced."""
