@@ -247,7 +247,7 @@ def _timed(record: list[PlanStage], stage: str, step: Callable, *args, **kwargs)
     """``step(*args, **kwargs)``, timed and appended to ``record``."""
     t = time.perf_counter()
     result = step(*args, **kwargs)
-    cost = None if result is None or isinstance(result, dict) else \
+    cost = None if result is None else \
         getattr(result, "total_cost", getattr(result, "total", None))
     record.append(PlanStage(stage, time.perf_counter() - t, result is not None, cost))
     return result

@@ -27,7 +27,8 @@ blocks are one set share one y paying the sum of their costs (AutoParallel's clu
 repeated layers, made exact for the restricted program).
 
 Solved with HiGHS through scipy.optimize.milp. A program over ``max_vars`` variables is abandoned
-while enumerating (``_TooLarge``), before any row is built.
+while enumerating (``_TooLarge``, a lower bound) or, counted exactly, before any cost is priced
+or row built (``_over_cap``).
 """
 
 from __future__ import annotations
@@ -412,11 +413,7 @@ class ShardingILP:
             for s, spec in enumerate(self.options[o]):
                 want = self.want(i, spec.output)
                 cost[xi[(own[o], s)]] += self.edge_cost(o, spec.output, want)
-        n_var = len(cost)
-        if n_var > self.max_vars:
-            log.info("dynamo_dist: sharding ILP too large (%d variables > %d); not solved",
-                        n_var, self.max_vars)
-            return None
+        n_var = len(cost)  # at most what ``_over_cap`` counted
         a = coo_matrix((vals, (rows, cols)), shape=(len(lo), n_var)).tocsr()
         integrality = np.zeros(n_var)
         integrality[:len(xi)] = 1
@@ -444,16 +441,16 @@ class ShardingILP:
         before any cost is priced or row built -- the whole-program joint ILP of a deep model
         on an N-D mesh is just over the cap, and building it took 3 of 14 s at 32 layers."""
         own = self.owner
-        n_flow, ys, seen = 0, set(), set()
+        n_flow, ys, linked, flows = 0, set(), set(), set()
         for v, k, u in slots:
             block = (own[v], k, own[u])
-            if (block, group[u]) in seen:
+            if (block, group[u]) in linked:
                 continue
-            seen.add((block, group[u]))
+            linked.add((block, group[u]))
             outs = self.outputs_of(u)
             reqs = {spec.inputs[k] for spec in self.options[v]}
-            if not (len(outs) == 1 and len(reqs) == 1) and block not in seen:
-                seen.add(block)
+            if not (len(outs) == 1 and len(reqs) == 1) and block not in flows:
+                flows.add(block)
                 n_flow += len(outs) * len(reqs)
             ys.update((group[u], o, r) for o in outs for r in reqs if o != r)
         total = n_choice + n_flow + len(ys)
