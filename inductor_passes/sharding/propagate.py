@@ -31,6 +31,7 @@ from torch.distributed.tensor.placement_types import Partial
 from ..core import roles
 from ..core.errors import user_source
 from ..core.mesh_facts import axis_weights
+from ..core.nodes import frozen_graph
 from ..core.placements import (Placements, fmt, is_placements, is_split, nbytes, nonpartial,
                                replicate, returnable, strided_factors)
 from .config import DEFAULT, PlanMethod, PlannerConfig
@@ -105,7 +106,8 @@ class Plan:
 
 def propagate(*args, **kwargs) -> Plan:
     """See ``_propagate``; logs each replicated fallback of the final plan once."""
-    plan = _propagate(*args, **kwargs)
+    with frozen_graph():  # planning reads the graph, never edits it
+        plan = _propagate(*args, **kwargs)
     for msg in plan.fallbacks:
         log.warning("dynamo_dist: %s", msg)
     return plan

@@ -13,7 +13,9 @@
   ``sum_r e[o,r] = X[u,o]`` and ``sum_o e[o,r] = (v requires r)``, which is tight where the
   textbook ``y >= X + Z - 1`` is not; then ``y[u,o,r] >= e[o,r]``, one y per (value, from, to)
   shared by all consumers, because lowering redistributes a value once per target placement.
-  A slot with one choice on each side is a constant, with no variable.
+  A value read through one slot needs no y (y = e at the optimum): its cost goes on e, which
+  drops about half the variables and rows. A slot with one choice on each side is a constant,
+  with no variable.
 * objective: redistribute cost * y (``EdgePricer``: ``cost.redistribute_cost``, parameters'
   gathers priced with ``PlannerConfig.param_gather_factor``) + what each OpSpec costs itself
   (``rules.node_cost``: matmul, fused-attention and convolution compute per rank, collectives
@@ -344,6 +346,10 @@ class ShardingILP:
         ids: dict[tuple, int] = {}  # a group (owner, its consumer blocks) as a small int
         group: dict[fx.Node, int] = {u: ids.setdefault((own[u], frozenset(b)), len(ids))
                                      for u, b in blocks_of.items()}
+        # a group read through one block needs no y: its flow e is what it pays (y = e at the
+        # optimum), so its cost goes on e -- most values have one consumer, and this drops
+        # about half the variables and rows
+        single = {g for (_, b), g in ids.items() if len(b) == 1}
         if self._over_cap(len(xi), slots, group):
             return None
         # per group: one value per price key, with how many members share it
@@ -359,11 +365,15 @@ class ShardingILP:
             extra_cost.append(c)
             return len(xi) + len(extra_cost) - 1
 
+        def price(u, o, r) -> float:
+            """What moving value u's group from o to r costs (all its members)."""
+            return sum(n * self.edge_cost(m, o, r) for m, n in members[group[u]].values())
+
         def y_of(u, o, r) -> int | None:
             """The y variable of value u's group from o to r (None: free for all of them)."""
             key = (group[u], o, r)
             if key not in yi:
-                c = sum(n * self.edge_cost(m, o, r) for m, n in members[group[u]].values())
+                c = price(u, o, r)
                 yi[key] = new_var(c) if c > 0 else None
             return yi[key]
 
@@ -395,6 +405,9 @@ class ShardingILP:
                             0.0, 0.0)
             for (o, r), ev in e.items():
                 if o == r:  # staying put is free
+                    continue
+                if group[u] in single:
+                    extra_cost[ev - len(xi)] += price(u, o, r)
                     continue
                 y = y_of(u, o, r)
                 if y is not None:
@@ -436,12 +449,17 @@ class ShardingILP:
                         seconds, str(res.message))
 
     def _over_cap(self, n_choice: int, slots: list, group: dict) -> bool:
-        """Whether the program ``solve`` would build exceeds ``max_vars``: its choice, flow and
-        redistribute variables counted (a redistribute counted for every move, priced or not)
-        before any cost is priced or row built -- the whole-program joint ILP of a deep model
-        on an N-D mesh is just over the cap, and building it took 3 of 14 s at 32 layers."""
+        """Whether the program exceeds ``max_vars``, counted before any cost is priced or row
+        built (building the whole-program joint ILP of a deep model on an N-D mesh, only to
+        reject it, took 3 of 14 s at 32 layers): choice and flow variables, and one
+        redistribute variable per move of every group, priced or not. That is the textbook
+        formulation's size, which the cap was calibrated on; ``solve`` builds fewer (a group
+        read through one block pays on its flow), but HiGHS's time follows the problem, not
+        our count: the 32-layer Llama's joint ILP, 240k counted this way and 166k built, did
+        not solve in 30 s."""
         own = self.owner
-        n_flow, ys, linked, flows = 0, set(), set(), set()
+        n_flow, linked, flows = 0, set(), set()
+        reqs_of: dict[int, tuple[list, set]] = {}  # group -> (its outputs, requirements)
         for v, k, u in slots:
             block = (own[v], k, own[u])
             if (block, group[u]) in linked:
@@ -449,11 +467,15 @@ class ShardingILP:
             linked.add((block, group[u]))
             outs = self.outputs_of(u)
             reqs = {spec.inputs[k] for spec in self.options[v]}
-            if not (len(outs) == 1 and len(reqs) == 1) and block not in flows:
+            forced = len(outs) == 1 and len(reqs) == 1
+            if not forced and block not in flows:
                 flows.add(block)
                 n_flow += len(outs) * len(reqs)
-            ys.update((group[u], o, r) for o in outs for r in reqs if o != r)
-        total = n_choice + n_flow + len(ys)
+            reqs_of.setdefault(group[u], (outs, set()))[1].update(reqs)
+        # a group's members share the owner's outputs: its moves are outputs x requirements
+        n_y = sum(len(outs) * len(reqs) - len(reqs.intersection(outs))
+                  for outs, reqs in reqs_of.values())
+        total = n_choice + n_flow + n_y
         if total > self.max_vars:
             log.info("dynamo_dist: sharding ILP too large (about %d variables > %d); not built",
                      total, self.max_vars)
