@@ -13,7 +13,8 @@ OpSpec records which one produced it (``source``):
 3. none: the op runs replicated (every input all-gathered), which propagation logs with its cost.
 
 Each family lives in its own module (``pointwise``, ``matmul``, ``attention``, ``conv``,
-``pool``, ``moments``, ``indexing``, ``embedding``, ``grouped_mm``, ``manual``, ``dtensor``);
+``pool``, ``moments``, ``indexing``, ``embedding``, ``factory``, ``grouped_mm``, ``manual``,
+``dtensor``);
 this module dispatches a node to its family, applies the filters every OpSpec must pass
 (``op_strategy``), and prices what an OpSpec costs beyond its input redistributes
 (``node_cost``: compute, collectives inside the op).
@@ -41,6 +42,7 @@ from .base import (GETITEM, AxisOption, OpSpec, RuleKind, RuleSource, expand_mul
 from .conv import CONV, conv_flops, conv_strategy
 from .dtensor import dtensor_strategy
 from .embedding import EMBEDDING, embedding_strategy, local_impl
+from .factory import FILLS, factory_strategy
 from .grouped_mm import GROUPED_MM, grouped_mm_strategy
 from .indexing import INDEXING, slice_scatter_strategy
 from .manual import manual_strategy
@@ -100,7 +102,7 @@ _EMPTY_OK = frozenset({
     RuleKind.POINTWISE, RuleKind.EINSUM, RuleKind.REVERSE, RuleKind.SLICE_SCATTER,
     RuleKind.INDEX_PUT, RuleKind.INDEX_PUT_ACCUMULATE, RuleKind.SCATTER, RuleKind.GATHER,
     RuleKind.HISTC, RuleKind.CUMSUM, RuleKind.GROUPED_MM_FALLBACK, RuleKind.MASKED_INDEX,
-    RuleKind.MOMENTS, RuleKind.EMBEDDING, RuleKind.VOCAB_EMBEDDING})
+    RuleKind.MOMENTS, RuleKind.EMBEDDING, RuleKind.VOCAB_EMBEDDING, RuleKind.FACTORY})
 
 
 def _uneven_aligned(node: fx.Node, spec: OpSpec, mesh_shape: Sequence[int]) -> bool:
@@ -194,7 +196,9 @@ def _op_strategy(node, current, mesh, mesh_shape, constraint_of) -> list[OpSpec]
         # the GLOBAL tensor from its own generator and consumers slice it. With the same seed on
         # every rank this gives the same numbers as one device; a sharded draw would not.
         return [replicated_spec(node, ndim, RuleKind.RANDOM)]
-    if not tensor_args(node):
+    if op in FILLS:
+        return factory_strategy(node, mesh_shape)
+    if not tensor_args(node):  # iota, scalar_tensor, ...: made whole on every rank
         return [replicated_spec(node, ndim, RuleKind.FACTORY)]
     if node.meta.get("val") is None:
         # an op with no tensor result checks its inputs (aten._linalg_check_errors raises on a
