@@ -330,6 +330,7 @@ def _seeded_grad(outputs, inputs, grad_outputs=None, **kwargs):
         with compat.node_annotation({roles.BACKWARD_SEED: True}):
             grad_outputs = [torch.ones_like(t) for t in _tensors(outputs)]
         grad_outputs = grad_outputs[0] if single else grad_outputs
+    compat.preserve_backward_module_stacks([t.grad_fn for t in _tensors(outputs)])
     return torch.autograd.grad(outputs, inputs, grad_outputs, **kwargs)
 
 
@@ -393,6 +394,10 @@ class _GlobalInterpreter(fx.Interpreter):
         out = super().run_node(n)
         if n.op != "output" and any(id(t) in self._manual for t in _tensors(out)):
             self.manual_nodes.add(n.name)
+        if n.op != "output" and torch.is_grad_enabled():
+            # the backward of this node's ops is traced with its module stack: lowering and
+            # the outlining of repeated layers (``inductor_passes.outline``) read it
+            compat.tag_grad_fns(_tensors(out), n.meta.get("nn_module_stack"))
         return out
 
     def call_function(self, target, args, kwargs):
@@ -640,6 +645,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
                 grads: list[Any] = [None] * len(primals)
                 if diff and grad_targets:
                     compat.preserve_backward_stack_traces([t.grad_fn for t in diff])
+                    compat.preserve_backward_module_stacks([t.grad_fn for t in diff])
                     got = torch.autograd.grad(diff, [primals[k] for k in grad_targets],
                                               tangents, allow_unused=True)
                     for k, g in zip(grad_targets, got):

@@ -14,7 +14,7 @@ from inductor_passes.core import compat
 from inductor_passes.core import inductor_fix  # noqa: F401  (installs the fix on import)
 from inductor_passes.core.collectives import collective_kind
 
-from . import comm
+from . import comm, outline, schedule
 
 # Part of Inductor's FX-graph cache key for our compiles: an artifact compiled before
 # ``inductor_fix.install_inductor_mutation_order_fix`` (a read scheduled ahead of an in-place draw)
@@ -43,6 +43,8 @@ class CompiledJoint:
     issued: dict[str, int] = dataclasses.field(default_factory=dict)
     # of the saved values, how many are sizes (symbolic shapes): the last ones, after the tensors
     num_saved_sizes: int = 0
+    # what ``outline.outline_repeats`` shared in the forward and the backward (Inductor only)
+    outlined: list[outline.Outlined] = dataclasses.field(default_factory=list)
 
 
 def _example_inputs(gm: fx.GraphModule) -> list:
@@ -50,8 +52,11 @@ def _example_inputs(gm: fx.GraphModule) -> list:
 
 
 def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int,
-             inputs: list | None = None) -> tuple[Callable, list | None]:
+             inputs: list | None = None, outlined: list | None = None
+             ) -> tuple[Callable, list | None]:
     """Compile one half; returns (boxed callable, strides of each output as compiled or None).
+    With Inductor, repeated layers are first outlined into shared bodies (``outline``; what
+    was shared is appended to ``outlined``).
 
     ``visible``: the first ``visible`` outputs keep the strides the graph traced (what the
     runtime declares for them); Inductor may lay out the others (saved activations) as it likes
@@ -62,6 +67,10 @@ def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int
         return (lambda args: gm(*args)), None
     inputs = inputs if inputs is not None else _example_inputs(gm)
     comm.copy_shared_all_reduce_inputs(gm)
+    if not comm.inductor_config():  # bucketing merges across layers: it sees the whole graph
+        done = outline.outline_repeats(gm)
+        if outlined is not None:
+            outlined.append(done)
     out = next(iter(gm.graph.find_nodes(op="output")))
     out.meta[compat.USER_VISIBLE_OUTPUTS_META] = [
         i for i, a in enumerate(out.args[0][:visible]) if isinstance(a, fx.Node)]
@@ -125,13 +134,17 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
         fw = _strip_grads(local_gm, num_fwd_outputs)
         check([fw])
         buckets, issued = _buckets([fw], inductor)
-        return CompiledJoint(_compile(fw, inductor, False, num_fwd_outputs)[0], None,
-                             num_fwd_outputs, 0, fw, None, buckets, issued)
+        outlined: list = []
+        return CompiledJoint(_compile(fw, inductor, False, num_fwd_outputs, None, outlined)[0],
+                             None, num_fwd_outputs, 0, fw, None, buckets, issued,
+                             outlined=outlined)
     _tag_forward(local_gm, num_fwd_outputs)
     fw_gm, bw_gm = _partitioner()(local_gm, None, num_fwd_outputs=num_fwd_outputs)
     for gm in (fw_gm, bw_gm):  # the partitioner leaves a dead copy of a forced-save collective's input
         gm.graph.eliminate_dead_code()
         gm.recompile()
+    # each gradient's reduce_scatter where the gradient is ready, not at the end of the backward
+    schedule.land_outputs_early(bw_gm)
     fw_out = next(iter(fw_gm.graph.find_nodes(op="output"))).args[0]
     num_saved = len(fw_out) - num_fwd_outputs
     check([fw_gm, bw_gm])
@@ -140,15 +153,17 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
     # backward takes them first; CompiledJoint's convention is the forward's order
     sizes = sum(isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.SymInt)
                 for a in fw_out[num_fwd_outputs:])
-    forward, fw_strides = _compile(fw_gm, inductor, False, num_fwd_outputs)
+    outlined: list = []
+    forward, fw_strides = _compile(fw_gm, inductor, False, num_fwd_outputs, None, outlined)
     saved_strides = fw_strides[num_fwd_outputs:num_fwd_outputs + num_saved - sizes] \
         if fw_strides is not None else None
     bw_inputs = _example_inputs(bw_gm)
     bw_inputs[sizes:] = _restrided(bw_inputs[sizes:], saved_strides)
     backward, _ = _compile(bw_gm, inductor, True, len(bw_gm.graph.find_nodes(op="output")[0]
-                                                       .args[0]), bw_inputs)
+                                                       .args[0]), bw_inputs, outlined)
     return CompiledJoint(forward, _sizes_first(backward, num_saved - sizes, sizes),
-                         num_fwd_outputs, num_saved, fw_gm, bw_gm, buckets, issued, sizes)
+                         num_fwd_outputs, num_saved, fw_gm, bw_gm, buckets, issued, sizes,
+                         outlined)
 
 
 def sizes_first(args: list, tensors: int, sizes: int) -> list:

@@ -11,8 +11,10 @@ from conftest import torchrun
                                                   ("mlp", "1", ("--hidden", "127")),
                                                   ("llama", "0", ("--local-logits",)),
                                                   ("llama", "0", ("--use-cache",)),
-                                                  ("llama", "0", ("--nested-regions",)),
-                                                  ("llama", "1", ("--dynamic", "--steps", "5"))])
+                                                  ("llama", "1", ("--layers", "4",
+                                                                  "--nested-regions")),
+                                                  ("llama", "1", ("--dynamic", "--steps", "5")),
+                                                  ("llama", "1", ("--layers", "4"))])
 def test_two_rank_tp_parity(model, inductor, extra):
     """The Llama run also checks output_plan + return_local_tensor: logits come back as this
     rank's vocabulary shard, a plain tensor equal to that slice of one process's logits. Hidden
@@ -20,17 +22,23 @@ def test_two_rank_tp_parity(model, inductor, extra):
     ``--use-cache``: transformers' default config, grouped-query attention through the fused
     kernel (enable_gqa) and the DynamicCache's key/value states returned as DTensors.
     ``--nested-regions``: the decoder layer class's forward a ``nested_compile_region``:
-    parity, and Megatron's collectives as without it. ``--dynamic``: ``dynamic=True`` with
+    parity, Megatron's collectives as without it, and (Inductor) its layers sharing compiled
+    bodies as without it. ``--dynamic``: ``dynamic=True`` with
     Inductor, sequence lengths 32, 48, 64, 32 and a last batch of another size: one compile
-    serves all five steps, at parity."""
+    serves all five steps, at parity. ``--layers 4`` with Inductor: the repeated decoder
+    layers run as calls of shared compiled bodies (``inductor_passes.outline``), at parity."""
     out = torchrun("train_parity.py", 2, "--model", model, "--mesh", "tp=2",
                    "--inductor", inductor, *extra).stdout
     m = re.search(r"max relative loss difference ([0-9.e+-]+)", out)
     assert m and float(m.group(1)) <= 1e-4, out
-    if "--nested-regions" in extra or "--dynamic" in extra:  # Megatron on 2 layers
-        assert "LEDGER forward 4 backward 4" in out, out
+    if "--nested-regions" in extra or "--dynamic" in extra:  # Megatron: 2 a layer each way
+        layers = int(extra[extra.index("--layers") + 1]) if "--layers" in extra else 2
+        assert f"LEDGER forward {2 * layers} backward {2 * layers}" in out, out
     if "--dynamic" in extra:
         assert "COMPILES 1" in out, out
+    if "--layers" in extra:  # forward and backward: at least 2 layer calls share a body
+        calls = [int(c.split("/")[0]) for c in re.search(r"OUTLINED (.*)", out).group(1).split()]
+        assert len(calls) == 2 and min(calls) >= 2, out
 
 
 def test_two_rank_dp_dynamic_batch_is_one_compile():

@@ -142,6 +142,12 @@ def run(args, axes: dict[str, int]) -> int:
     say(f"compile: first step {first:.1f} s (backend {compile_s:.1f} s: " +
         ", ".join(f"{k} {sum(r.seconds[k] for r in records):.1f}" for k in records[0].seconds) +
         f"), graphs {len(records)}")
+    outlined = [o for r in records if r.step is not None for o in r.step.joint.outlined]
+    if outlined:
+        say("Inductor: " + "; ".join(
+            f"{half}: {o.calls} layer calls share {len(o.bodies)} compiled bod"
+            f"{'y' if len(o.bodies) == 1 else 'ies'}"
+            for half, o in zip(("forward", "backward") * len(records), outlined)))
     if step_times:
         say(f"step time: median {statistics.median(step_times) * 1e3:.1f} ms over "
             f"{len(step_times)} steps")

@@ -67,6 +67,23 @@ def sharding_propagator():
     return DTensor._op_dispatcher.sharding_propagator
 
 
+def dtensor_of_local(local: torch.Tensor, spec: DTensorSpec) -> Any:
+    """A DTensor over ``local`` with ``spec`` as it is (no autograd node, no check): what
+    ``DTensor.from_local`` builds, without its autograd Function and spec construction, for
+    the runtime's per-parameter gradients. DTensor's internal constructor (2.11, 2.13)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=False)
+
+
+def global_stride(local: torch.Tensor, mesh: Any, placements: Any) -> tuple[int, ...]:
+    """The GLOBAL strides DTensor declares for a tensor whose local piece is ``local``
+    (``compute_global_tensor_info``; 2.11, 2.13)."""
+    from torch.distributed.tensor._utils import compute_global_tensor_info
+
+    return tuple(compute_global_tensor_info(local, mesh, placements)[1])
+
+
 def dtensor_op_strategy(op_schema: OpSchema, out_tensor_meta: Any) -> Any:
     """Ask DTensor's registry for the full OpStrategy of ``op_schema`` (args hold DTensorSpecs).
 
@@ -168,6 +185,66 @@ def preserve_backward_stack_traces(grad_fns: list) -> None:
     from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 
     setup_stacktrace_preservation_hooks([g for g in grad_fns if g is not None])
+
+
+# grad_fn.metadata key: the module stack (Dynamo's ``nn_module_stack``) of the forward node
+# that made the grad_fn
+_MODULE_STACK = "dynamo_dist_nn_module_stack"
+
+
+def tag_grad_fns(tensors, module_stack) -> None:
+    """Record ``module_stack`` on every grad_fn the forward just made for ``tensors`` (a walk
+    from their grad_fns that stops at grad_fns already recorded, so each is visited once).
+    ``preserve_backward_module_stacks`` gives the backward nodes traced from them that stack.
+    Public autograd API (``Node.metadata``)."""
+    todo = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn is None or _MODULE_STACK in fn.metadata:
+            continue
+        fn.metadata[_MODULE_STACK] = module_stack
+        todo.extend(f for f, _ in fn.next_functions)
+
+
+def preserve_backward_module_stacks(grad_fns: list) -> None:
+    """Autograd hooks that give each backward node traced under ``preserve_node_meta`` the
+    ``nn_module_stack`` of the forward node that made its grad_fn (``tag_grad_fns``), as
+    AOTAutograd's ``copy_fwd_metadata_to_bw_nodes`` does after tracing (its ``seq_nr`` key is
+    not set by our trace). A grad_fn with no record leaves the stack as it was. Writes
+    ``torch.fx.traceback.current_meta`` (checked on torch 2.11 and 2.13)."""
+    import torch.fx.traceback as fx_traceback
+
+    saved: list = []
+    missing = object()
+
+    def prehook(fn):
+        def hook(grad_outputs):
+            meta = fx_traceback.current_meta
+            saved.append(meta.get("nn_module_stack", missing))
+            stack = fn.metadata.get(_MODULE_STACK)
+            if stack is not None:
+                meta["nn_module_stack"] = stack
+        return hook
+
+    def posthook(grad_inputs, grad_outputs):
+        if not saved:
+            return
+        meta, previous = fx_traceback.current_meta, saved.pop()
+        if previous is missing:
+            meta.pop("nn_module_stack", None)
+        else:
+            meta["nn_module_stack"] = previous
+
+    seen: set = set()
+    todo = [g for g in grad_fns if g is not None]
+    while todo:
+        fn = todo.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        fn.register_prehook(prehook(fn))
+        fn.register_hook(posthook)
+        todo.extend(f for f, _ in fn.next_functions if f is not None)
 
 
 log = logging.getLogger("dynamo_dist")
@@ -441,7 +518,8 @@ def inline_nested_compile_regions(gm: "torch.fx.GraphModule") -> "torch.fx.Graph
     if not calls:
         return gm
     try:
-        from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
+        from torch._higher_order_ops.passes.inline_invoke_subgraph import (
+            inline_invoke_subgraph, inline_invoke_subgraph_nodes)
     except ImportError as e:
 
         raise DistCompileError(
@@ -453,13 +531,49 @@ def inline_nested_compile_regions(gm: "torch.fx.GraphModule") -> "torch.fx.Graph
     for name, child in gm.named_children():  # the pass edits region bodies in place
         if isinstance(child, fx.GraphModule):
             setattr(root, name, copy.deepcopy(child))
-    inline_invoke_subgraph(root)
+            inline_invoke_subgraph(getattr(root, name))  # regions nested in a body first
+    for node in list(root.graph.find_nodes(op="call_function", target=hop)):
+        before = set(root.graph.nodes)
+        body = getattr(root, str(node.args[0].target))
+        call_stack = node.meta.get("nn_module_stack")
+        inline_invoke_subgraph_nodes(root, [node])
+        _restack([n for n in root.graph.nodes if n not in before], body, call_stack)
     root.delete_all_unused_submodules()
     root.recompile()
     logging.getLogger("dynamo_dist").info(
         "dynamo_dist: %d nested_compile_region call(s) inlined: their bodies are planned and "
         "compiled with the rest of the program (each call compiled again)", calls)
     return root
+
+
+def _restack(nodes: list, body, call_stack: dict | None) -> None:
+    """Give a region body's inlined ``nodes`` the module stack of the call they came from.
+    Dynamo traced the body once, at its first call, so every copy says it was made by that
+    call's module (``model.layers.0``); the stack prefix of that first call is swapped for this
+    call's (its entries' paths re-prefixed), so each layer's copy names its own layer (read by
+    ``inductor_passes.outline``). Nodes whose stack does not start with the traced call's are
+    left as they are."""
+    if not call_stack:
+        return
+    stacks = [n.meta.get("nn_module_stack") for n in body.graph.nodes
+              if n.meta.get("nn_module_stack")]
+    if not stacks:
+        return
+    depth = len(call_stack)
+    traced = list(stacks[0].items())[:depth]
+    if len(traced) < depth:
+        return
+    old_path, new_path = traced[-1][1][0], list(call_stack.values())[-1][0]
+    for node in nodes:
+        stack = node.meta.get("nn_module_stack")
+        if not stack or list(stack.items())[:depth] != traced:
+            continue
+        restacked = dict(call_stack)
+        for key, (path, *info) in list(stack.items())[depth:]:
+            if path.startswith(old_path):
+                key, path = f"{key}@{new_path}", new_path + path[len(old_path):]
+            restacked[key] = (path, *info)
+        node.meta["nn_module_stack"] = restacked
 
 
 def size_hint(value: "int | torch.SymInt", fallback: int = 0) -> int:

@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--dynamic", action="store_true",
                     help="Llama compiled with dynamic=True, step k at sequence length "
                          "32, 48, 64, 32, then a batch of 4 at 40 (prints COMPILES)")
+    ap.add_argument("--layers", type=int, default=2, help="the Llama's decoder layers")
     ap.add_argument("--nested-regions", action="store_true",
                     help="Llama with every decoder layer a torch.compiler.nested_compile_region; "
                          "prints the ledger's collectives per phase")
@@ -85,7 +86,7 @@ def main() -> int:
         ref = MLP(args.hidden)
         size = None
     else:
-        size = LlamaSize(layers=2, seq=32)
+        size = LlamaSize(layers=args.layers, seq=32)
         ref = build_llama(size, attn=args.attn)
         # with the cache on and no mask, transformers calls SDPA with enable_gqa=True: the fused
         # kernel then sees query heads (8) and key/value heads (4) of different counts
@@ -156,6 +157,8 @@ def main() -> int:
         print(f"LEDGER forward {ledger.count(phase='forward')} "
               f"backward {ledger.count(phase='backward')}")
         print(f"COMPILES {len(compile_records())}")
+        joint = compile_records()[-1].step.joint
+        print("OUTLINED " + " ".join(f"{o.calls}/{len(o.bodies)}" for o in joint.outlined))
     dist.barrier()
     dist.destroy_process_group()
     return 0 if worst <= 1e-4 else 1

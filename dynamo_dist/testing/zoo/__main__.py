@@ -69,9 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-inductor", action="store_true", help="gloo cells without Inductor")
     ap.add_argument("--fast", action="store_true", help=f"only {', '.join(FAST_MODELS)}")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per cell")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers per model (default 2; sets DYNAMO_DIST_ZOO_LAYERS)")
     ap.add_argument("--out", default="docs/model_coverage.md")
     ap.add_argument("--json", default="docs/model_coverage.json")
     args = ap.parse_args(argv)
+    if args.layers is not None:
+        if args.layers < 1:
+            ap.error("--layers must be at least 1")
+        os.environ["DYNAMO_DIST_ZOO_LAYERS"] = str(args.layers)
     models = [m for m in args.models if not args.fast or m in FAST_MODELS]
     rows = []
     for model in models:

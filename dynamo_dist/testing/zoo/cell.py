@@ -328,6 +328,9 @@ def _describe_compiles(row: dict) -> None:
     row["collectives"] = coll
     row["issued"] = sum(r.ledger.issued() for r in records)
     row["ledger_without_user_line"] = no_source
+    # layer calls of shared compiled bodies / bodies, per compiled half (Inductor only)
+    row["outlined"] = [f"{o.calls}/{len(o.bodies)}" for r in records if r.step is not None
+                       for o in r.step.joint.outlined]
 
 
 def _short(exc: BaseException) -> str:

@@ -8,6 +8,7 @@ Every entry says which family it stands for, so that the report reads as coverag
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import torch
@@ -17,7 +18,9 @@ VOCAB = 256
 HIDDEN = 64
 HEADS = 4
 KV_HEADS = 2
-LAYERS = 2
+# decoder/encoder layers per model (``--layers`` of the zoo sets DYNAMO_DIST_ZOO_LAYERS for its
+# workers: deeper stacks exercise the sharing of repeated layers' compiled code)
+LAYERS = int(os.environ.get("DYNAMO_DIST_ZOO_LAYERS", "2"))
 FFN = 128
 BATCH = 4      # global batch; divisible by the data-parallel sizes the zoo runs
 SEQ = 16
