@@ -1,18 +1,23 @@
 """Runtime boundary: DTensor in, local tensors through the compiled graphs, DTensor out.
 
 Inputs: a DTensor is redistributed (eagerly, differentiably) to the plan's placement if it
-differs, then ``to_local()``; a plain tensor is passed whole (a global value; the graph slices it
-where the plan shards it). Each local tensor must have the strides the program was compiled for
+differs; a plain tensor is passed whole (a global value; the graph slices it where the plan
+shards it). Each local tensor must have the strides the program was compiled for
 (``inductor_passes.layout``); one that arrives otherwise (a DTensor whose local tensor is laid
-out unlike its global strides, a redistributed piece) is copied into that layout first,
-differentiably. The compiled forward/backward run inside one autograd.Function. Outputs become
-DTensors with the planned placements and the strides the compiled graph gives them
-(``from_local``), so a parameter's ``.grad`` arrives as a DTensor in the parameter's own
-placement through ``to_local``'s backward.
+out unlike its global strides, a redistributed piece) is copied into that layout first. The
+compiled forward/backward run inside one autograd.Function, which takes a DTensor in the planned
+placement (a parameter) as it is: its local tensor runs, and its gradient goes back as a DTensor
+in the parameter's own placement (``DistStep.grad_dtensor``, a spec made once per layout). A
+``to_local()`` / ``from_local`` autograd pair per parameter cost about 0.2 ms a parameter a step
+in Python (26 ms against plain Inductor's 8 ms a step on an H200 at 8 layers of the demo Llama,
+world size 1). A Partial DTensor input still goes through ``to_local()`` (torch gives its
+gradient another placement). Outputs become DTensors with the planned placements and the
+strides the compiled graph gives them (``from_local``).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from typing import Any, Sequence
@@ -36,7 +41,13 @@ log = logging.getLogger("dynamo_dist")
 
 class _DistFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, step: "DistStep", *args):
+    def forward(ctx, step: "DistStep", strides: tuple, *args):
+        # a DTensor argument is taken as it is (``DistStep._direct``): its local tensor runs,
+        # laid out as compiled (``strides``), and its gradient goes back as a DTensor of its
+        # placement, with no to_local/from_local autograd pair per parameter
+        ctx.direct = [(k, a.shape) for k, a in enumerate(args) if isinstance(a, DTensor)]
+        args = [_restrided(a._local_tensor, strides[k]) if isinstance(a, DTensor) else a
+                for k, a in enumerate(args)]
         outs = step.joint.forward(list(args))
         n = step.joint.num_fwd_outputs
         saved = outs[n:]
@@ -67,8 +78,11 @@ class _DistFunction(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         for i, size in ctx.sizes:
             saved.insert(i, size)
-        res = step.joint.backward([*saved, *tangents])
-        return (None, *res)
+        res = list(step.joint.backward([*saved, *tangents]))
+        for k, shape in ctx.direct:
+            if res[k] is not None:
+                res[k] = step.grad_dtensor(k, res[k], shape)
+        return (None, None, *res)
 
 
 class DistStep:
@@ -109,6 +123,8 @@ class DistStep:
         self.mutated_inputs = list(mutated_inputs)
         self.num_user_outputs = len(self.output_placements) - len(self.mutated_inputs)
         self.calls = 0  # how often this graph ran (a recompiled program leaves old ones idle)
+        self._grad_specs: dict = {}  # (input, global shape, local strides, dtype) -> DTensorSpec
+        self._same_mesh: dict[int, tuple[Any, bool]] = {}  # id -> (mesh, equals self.mesh)
         self.attributes = tuple(attributes)
 
     def __call__(self, *args):
@@ -116,15 +132,22 @@ class DistStep:
         args = (*args, *self.attributes)
         if contract.enabled():
             contract.check_same_values(self._global_inputs(args), self.mesh)
-        local = []
+        local, strides = [], []
         for (info, want), want_stride, check in zip(self._tensor_inputs, self._input_strides,
                                                    self._global_checks):
             x = args[info.index]
+            if isinstance(want_stride, _Symbolic):
+                want_stride = want_stride.dense_strides(
+                    x._local_tensor.shape if isinstance(x, DTensor) else x.shape)
+            strides.append(want_stride)
             if isinstance(x, DTensor):
                 if check:
                     _check_global_shape(x, info, check, self.mesh)
                 if tuple(x.placements) != tuple(want):
                     x = x.redistribute(self.mesh, want)
+                if self._direct(x):
+                    local.append(x)
+                    continue
                 x = x.to_local()
             elif info.placements is not None and self.mesh is not None:
                 # a plain global value annotated with mark_sharding: this rank's piece (a slice,
@@ -132,10 +155,8 @@ class DistStep:
                 warn_if_annotation_changed(x, info)
                 x = DTensor.from_local(x, self.mesh, [Replicate()] * self.mesh.ndim,
                                        run_check=False).redistribute(self.mesh, want).to_local()
-            if isinstance(want_stride, _Symbolic):
-                want_stride = want_stride.dense_strides(x.shape)
             local.append(_restrided(x, want_stride))
-        outs = _DistFunction.apply(self, *local)
+        outs = _DistFunction.apply(self, tuple(strides), *local)
         self._write_back(args, outs[self.num_user_outputs:])
         outs = outs[:self.num_user_outputs]
         wrapped = []
@@ -150,6 +171,32 @@ class DistStep:
                                        stride=stride)
             wrapped.append(o)
         return tuple(wrapped)
+
+    def _direct(self, x: DTensor) -> bool:
+        """Whether ``x`` (in the planned placement) goes into the compiled function as it is:
+        a DTensor on this program's mesh with no Partial placement (torch gives a Partial
+        input's gradient another placement, so those keep ``to_local``)."""
+        mesh = x.device_mesh
+        known = self._same_mesh.get(id(mesh))
+        if known is None or known[0] is not mesh:  # (DeviceMesh equality is slow: once a mesh)
+            known = self._same_mesh[id(mesh)] = (mesh, mesh is self.mesh or mesh == self.mesh)
+        return known[1] and not any(p.is_partial() for p in x.placements)
+
+    def grad_dtensor(self, k: int, grad: torch.Tensor, shape: torch.Size) -> DTensor:
+        """The gradient of tensor input ``k`` (a DTensor of GLOBAL ``shape``, taken directly)
+        as a DTensor in that input's planned placement, as ``to_local``'s backward makes it;
+        its spec is made once per shape, layout and dtype."""
+        placements = tuple(self._tensor_inputs[k][1])
+        key = (k, tuple(shape), tuple(grad.stride()), grad.dtype)
+        spec = self._grad_specs.get(key)
+        if spec is None:
+            spec = compat.DTensorSpec(self.mesh, placements, tensor_meta=compat.TensorMeta(
+                shape=torch.Size(shape), stride=compat.global_stride(grad, self.mesh, placements),
+                dtype=grad.dtype))
+            self._grad_specs[key] = spec
+        # a fresh spec object per gradient, as torch's own backward gives (specs are not shared
+        # between live DTensors)
+        return compat.dtensor_of_local(grad, copy.copy(spec))
 
     def _global_inputs(self, args) -> list[tuple[str, torch.Tensor]]:
         """The inputs every rank must hold alike: plain tensors that no annotation splits, and

@@ -22,6 +22,8 @@ reorder of the whole dim d (view [k, n, c] <-> [n, k, c]: block-major <-> rank-m
                               holds before and after overlap on few ranks; an all_to_all with
                               uneven sends would move less, at the price of a second code path)
 
+A mesh axis of size 1 moves nothing (every placement there holds the whole value).
+
 Order of the per-axis steps: see ``redistribute``.
 Every collective is appended to the ``CollectiveLedger`` with its cause.
 
@@ -213,6 +215,12 @@ def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[A
     the dims it touches (if none is ready, the inner splits in the way are gathered); (3) local
     slices, first axis first.
     """
+    if any(ax.size == 1 for ax in axes):
+        # one rank holds the whole value in every placement of a size-1 axis (a piece of one
+        # is the whole dim, a sum over one rank is the value): nothing moves there, and a
+        # collective over one rank would still be a launch and a wait
+        src = tuple(Replicate() if ax.size == 1 else p for p, ax in zip(src, axes))
+        dst = tuple(Replicate() if ax.size == 1 else p for p, ax in zip(dst, axes))
     if src == dst:
         return x
     cur = list(src)

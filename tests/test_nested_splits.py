@@ -128,3 +128,23 @@ def test_nested_redistribute_collectives(fake_mesh, src, dst, kinds):
     _check_redistribute(mesh, full, src, dst)
     _, records, _ = _redistribute_on_ranks(mesh, full, src, dst)
     assert sorted(records[(0, 0)]) == sorted(kinds)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(src=st.tuples(_AXIS, _AXIS, _AXIS), dst=st.tuples(_AXIS, _AXIS, _AXIS),
+       one=st.sampled_from([0, 1, 2]), shape=st.sampled_from([(12, 8), (7, 10)]))
+def test_a_size_one_mesh_axis_moves_nothing(fake_mesh, src, dst, one, shape):
+    """A mesh axis of size 1 (dp=1 beside tp=2, a world of one): every placement on it holds
+    the whole value, so a redistribute issues exactly the collectives of the same move on the
+    mesh without that axis (none on a world of one) and still matches the definition."""
+    sizes = [2, 2, 2]
+    sizes[one] = 1
+    mesh = fake_mesh(tuple(sizes), ("a", "b", "c"))
+    full = torch.randn(shape, dtype=torch.float64)
+    _check_redistribute(mesh, full, src, dst)
+    _, records, _ = _redistribute_on_ranks(mesh, full, src, dst)
+    drop = [k for k in range(3) if k != one]
+    smaller = fake_mesh((2, 2), ("a", "b"))
+    _, want, _ = _redistribute_on_ranks(smaller, full, tuple(src[k] for k in drop),
+                                        tuple(dst[k] for k in drop))
+    assert sorted(records[(0, 0, 0)]) == sorted(want[(0, 0)]), (src, dst, one)

@@ -43,7 +43,7 @@ def shard_global(x: torch.Tensor, placements: Placements, coord: Sequence[int],
         elif is_strided(p):
             out = out.index_select(p.dim, strided_indices(out.shape[p.dim], split_factor(p), n, c))
         elif isinstance(p, Partial):
-            out = _exact_share(out, c)
+            out = _exact_share(out, c, n)
     return out.contiguous()
 
 
@@ -59,12 +59,15 @@ def strided_indices(size: int, k: int, n: int, r: int) -> torch.Tensor:
                         dtype=torch.long)
 
 
-def _exact_share(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Rank k's share of a Partial(sum) value: x = hi + lo exactly (hi: x rounded to a coarser
-    float type, lo: the rounding error, which the finer type holds exactly), on ranks 0 and 1;
-    zeros elsewhere. The shares differ (a forgotten reduction leaves replicas disagreeing, a
-    doubled one changes the value) and their sum is exact in any order, so ill-conditioned ops
-    (tan near a pole) are not reported wrong for rounding in the split."""
+def _exact_share(x: torch.Tensor, k: int, n: int = 2) -> torch.Tensor:
+    """Rank k's share (of ``n`` ranks) of a Partial(sum) value: x = hi + lo exactly (hi: x
+    rounded to a coarser float type, lo: the rounding error, which the finer type holds
+    exactly), on ranks 0 and 1; zeros elsewhere; all of x on a mesh axis of one rank. The shares
+    differ (a forgotten reduction leaves replicas disagreeing, a doubled one changes the value)
+    and their sum is exact in any order, so ill-conditioned ops (tan near a pole) are not
+    reported wrong for rounding in the split."""
+    if n == 1:
+        return x
     coarse = torch.bfloat16 if x.dtype == torch.float32 else torch.float32
     hi = torch.where(torch.isfinite(x), x.to(coarse).to(x.dtype), x)  # inf/nan: all on rank 0
     lo = torch.where(torch.isfinite(x), x - hi, torch.zeros_like(x))
