@@ -351,8 +351,30 @@ def run_ours(args) -> dict:
     out["collectives_by_class"] = {k: {"count": v[0], "bytes": v[1]}
                                    for k, v in sorted(by_class.items())}
     out["ledger"] = rows
+    out["predicted_peak"] = dataclasses.asdict(rec.predicted_peak())
+    out["replicated_values"] = replicated_values(rec)
     out["peak_rss_gib"] = rss_gib()
     return out
+
+
+def replicated_values(rec, top: int = 8) -> list[dict]:
+    """The largest values of the global program the plan holds whole on every rank (Replicate
+    on every mesh axis), by bytes: what a memory-blind plan would replicate to save a
+    collective."""
+    import torch
+
+    from torch.distributed.tensor.placement_types import Replicate
+
+    found = []
+    for node in rec.program.graph_module.graph.nodes:
+        np_ = rec.plan.nodes.get(node.name)
+        val = node.meta.get("val")
+        if np_ is None or not isinstance(val, torch.Tensor) or node.op == "output":
+            continue
+        if all(isinstance(p, Replicate) for p in np_.output):
+            found.append({"node": node.name, "op": str(node.target), "shape": list(val.shape),
+                          "bytes": val.numel() * val.element_size()})
+    return sorted(found, key=lambda r: -r["bytes"])[:top]
 
 
 # --------------------------------------------------------------------------------------------
@@ -494,7 +516,16 @@ def run_baseline(args) -> dict:
             return gm  # run as an FX graph: on meta tensors nothing executes
         return compiler
 
-    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+    kept: dict[str, object] = {}
+
+    def keep(phase, compiler):
+        def compile_and_keep(gm, example_inputs):
+            kept[phase] = gm
+            return compiler(gm, example_inputs)
+        return compile_and_keep
+
+    backend = aot_autograd(fw_compiler=keep("forward", recorder("forward")),
+                           bw_compiler=keep("backward", recorder("backward")))
     compiled = torch.compile(model, backend=backend)
     # TP sees one dp rank's share of the batch (dp splits the batch; FSDP does not change it)
     local_batch = math.ceil(args.batch / args.dp)
@@ -514,8 +545,38 @@ def run_baseline(args) -> dict:
     out["fsdp2_collectives"] = table(fsdp_rows, sizes)
     out["collectives"] = table(tp_rows + fsdp_rows, sizes)
     out["tp_graph_rows"] = tp_rows
+    out["predicted_peak"] = dtensor_predicted_peak(kept["forward"], kept["backward"], model,
+                                                   args.dp)
     out["peak_rss_gib"] = rss_gib()
     return out
+
+
+def dtensor_predicted_peak(fw, bw, model, dp: int) -> dict:
+    """The DTensor plan's per-rank peak, estimated the same way as ours
+    (``inductor_passes.memory.predict_peak`` on AOTAutograd's partitioned TP graphs), then with
+    FSDP2's sharding on dp applied: its parameters and their gradients are held as 1/dp shards
+    (the TP graphs take them whole), and FSDP2 holds two decoder layers' parameters unsharded at
+    a time (the one computing, the one prefetched). The FSDP2 part is arithmetic on the
+    estimate, not a trace of FSDP2."""
+    from inductor_passes.memory import predict_peak
+
+    saved = [p for p in bw.graph.find_nodes(op="placeholder")
+             if not p.name.startswith("tangents")]
+    fw_out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+    tp = predict_peak(fw, bw, len(fw_out) - len(saved))
+    tp_local = {}  # parameter -> bytes of its tp-local piece (what FSDP2 shards further)
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        tp_local[name] = local.numel() * local.element_size()
+    params = sum(tp_local.values())
+    layer = max(sum(b for n, b in tp_local.items() if n.startswith(f"model.layers.{i}."))
+                for i in range(len(model.model.layers)))
+    # parameters whole -> shards + two unsharded layers; gradients (counted whole where the
+    # peak is in the backward) -> shards
+    grads = params if tp.phase == "backward" else 0
+    fsdp = tp.peak_bytes - (params + grads) * (1 - 1 / dp) + 2 * layer
+    return {"tp_graphs": dataclasses.asdict(tp), "parameter_bytes_tp_local": params,
+            "largest_layer_bytes": layer, "fsdp2_tp_peak_bytes": int(fsdp)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -603,6 +664,36 @@ def write_markdown() -> str:
                    f"{'-' if bsec is None else f'{bsec:.1f}'} | "
                    + (f"{r['loadavg']['start'][0]:.1f} / {r['loadavg']['end'][0]:.1f} |"
                       if r.get("loadavg") else "- |"))
+    md.append("")
+    md += ["## Memory per rank, predicted (`inductor_passes.memory.predict_peak`, the local "
+           "graphs before Inductor; MiB)", "",
+           "Ours: the compiled step's peak (forward, then backward). DTensor plan: the same "
+           "estimate on AOTAutograd's TP graphs (parameters and gradients whole on dp), then "
+           "FSDP2 applied by arithmetic (parameters and gradients as 1/dp shards, two decoder "
+           "layers' parameters unsharded): `dtensor_predicted_peak`. Largest replicated: the "
+           "biggest value the plan holds whole on every rank.", "",
+           "| layers | ours: peak (phase) | inputs | saved for backward | DTensor TP graphs | "
+           "FSDP2 + TP | ours / FSDP2 + TP | largest replicated value (share of our peak) |",
+           "|--:|--:|--:|--:|--:|--:|--:|---|"]
+    mib = 2 ** 20
+    for r in runs:
+        o = r["ours"]
+        est = o.get("predicted_peak")
+        if not est:
+            continue
+        base = (r.get("dtensor_plan") or {}).get("predicted_peak") or {}
+        fsdp = base.get("fsdp2_tp_peak_bytes")
+        tp = (base.get("tp_graphs") or {}).get("peak_bytes")
+        rep = (o.get("replicated_values") or [None])[0]
+        ratio = f"{est['peak_bytes'] / fsdp:.2f}" if fsdp else "-"
+        rep_s = (f"{rep['op']} {rep['shape']} {rep['bytes'] / mib:.1f} MiB "
+                 f"({rep['bytes'] / est['peak_bytes']:.1%})" if rep else "none")
+        md.append(f"| {r['config']['layers']} | {est['peak_bytes'] / mib:.0f} ({est['phase']}) | "
+                  f"{est['inputs_bytes'] / mib:.0f} | {est['saved_bytes'] / mib:.0f} | "
+                  f"{'-' if tp is None else f'{tp / mib:.0f}'} | "
+                  f"{'-' if fsdp is None else f'{fsdp / mib:.0f}'} | "
+                  f"{ratio} | "
+                  f"{rep_s} |")
     md.append("")
     md += ["Planner stages of each run (seconds; an ILP not 'solved' was too large (the joint "
            "programs over 200k variables; others "

@@ -73,6 +73,13 @@ class CompileRecord:
                    if isinstance(n, fx.Node) and n.op != "placeholder" and
                    isinstance(n.meta.get("val"), torch.Tensor))
 
+    def predicted_peak(self):
+        """This rank's predicted peak bytes of one call (forward, then backward), read off the
+        local graphs before Inductor (``inductor_passes.memory.PeakEstimate``; None for a
+        program that was not planned)."""
+        joint = self.step.joint if self.step is not None else None
+        return getattr(joint, "predicted_peak", None)
+
     def activation_gathers(self, mesh_axis: str) -> list:
         """Ledger entries that all_gather on ``mesh_axis`` anything but a parameter (a DTensor
         input) or a view of one. On a data axis this should be empty: data parallelism gathers

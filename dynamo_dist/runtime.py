@@ -76,9 +76,16 @@ class _DistFunction(torch.autograd.Function):
         # autograd materialises missing output grads as zeros, so every tangent is a tensor
         tangents = [grads[j].contiguous() for j in step.diff_outputs]
         saved = list(ctx.saved_tensors)
+        # as AOTAutograd: autograd's own references to the saved activations go now (unless
+        # the graph is retained), so the compiled backward, which takes its argument list and
+        # drops each input after its last use, frees each activation as it is consumed rather
+        # than all of them at the end of the backward
+        compat.release_saved_tensors(ctx)
         for i, size in ctx.sizes:
             saved.insert(i, size)
-        res = list(step.joint.backward([*saved, *tangents]))
+        args = [*saved, *tangents]
+        del saved, tangents
+        res = list(step.joint.backward(args))
         for k, shape in ctx.direct:
             if res[k] is not None:
                 res[k] = step.grad_dtensor(k, res[k], shape)

@@ -14,7 +14,7 @@ from inductor_passes.core import compat
 from inductor_passes.core import inductor_fix  # noqa: F401  (installs the fix on import)
 from inductor_passes.core.collectives import collective_kind
 
-from . import comm, outline, schedule
+from . import comm, memory, outline, schedule
 
 # Part of Inductor's FX-graph cache key for our compiles: an artifact compiled before
 # ``inductor_fix.install_inductor_mutation_order_fix`` (a read scheduled ahead of an in-place draw)
@@ -45,6 +45,8 @@ class CompiledJoint:
     num_saved_sizes: int = 0
     # what ``outline.outline_repeats`` shared in the forward and the backward (Inductor only)
     outlined: list[outline.Outlined] = dataclasses.field(default_factory=list)
+    # this rank's predicted peak bytes of one step, from the graphs before Inductor
+    predicted_peak: memory.PeakEstimate | None = None
 
 
 def _example_inputs(gm: fx.GraphModule) -> list:
@@ -83,7 +85,9 @@ def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int
         strides = list(strides)
 
     def run(args):
-        return compiled(list(args))
+        # a list is handed over as it is: the compiled graph empties it and drops each input
+        # after its last use (the backward's saved activations are freed as they are consumed)
+        return compiled(args if type(args) is list else list(args))
 
     return run, strides
 
@@ -134,10 +138,11 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
         fw = _strip_grads(local_gm, num_fwd_outputs)
         check([fw])
         buckets, issued = _buckets([fw], inductor)
+        peak = memory.predict_peak(fw, None, num_fwd_outputs)
         outlined: list = []
         return CompiledJoint(_compile(fw, inductor, False, num_fwd_outputs, None, outlined)[0],
                              None, num_fwd_outputs, 0, fw, None, buckets, issued,
-                             outlined=outlined)
+                             outlined=outlined, predicted_peak=peak)
     _tag_forward(local_gm, num_fwd_outputs)
     fw_gm, bw_gm = _partitioner()(local_gm, None, num_fwd_outputs=num_fwd_outputs)
     for gm in (fw_gm, bw_gm):  # the partitioner leaves a dead copy of a forced-save collective's input
@@ -153,6 +158,7 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
     # backward takes them first; CompiledJoint's convention is the forward's order
     sizes = sum(isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.SymInt)
                 for a in fw_out[num_fwd_outputs:])
+    peak = memory.predict_peak(fw_gm, bw_gm, num_fwd_outputs, sizes)  # before Inductor edits
     outlined: list = []
     forward, fw_strides = _compile(fw_gm, inductor, False, num_fwd_outputs, None, outlined)
     saved_strides = fw_strides[num_fwd_outputs:num_fwd_outputs + num_saved - sizes] \
@@ -163,7 +169,7 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
                                                        .args[0]), bw_inputs, outlined)
     return CompiledJoint(forward, _sizes_first(backward, num_saved - sizes, sizes),
                          num_fwd_outputs, num_saved, fw_gm, bw_gm, buckets, issued, sizes,
-                         outlined)
+                         outlined, peak)
 
 
 def sizes_first(args: list, tensors: int, sizes: int) -> list:
@@ -175,7 +181,12 @@ def sizes_first(args: list, tensors: int, sizes: int) -> list:
 def _sizes_first(backward: Callable, tensors: int, sizes: int) -> Callable:
     if not sizes:
         return backward
-    return lambda args: backward(sizes_first(args, tensors, sizes))
+
+    def run(args: list):
+        ordered = sizes_first(args, tensors, sizes)
+        args.clear()  # the compiled backward holds the only references (see ``_compile``)
+        return backward(ordered)
+    return run
 
 
 def _buckets(graphs: list[fx.GraphModule], inductor: bool

@@ -148,6 +148,9 @@ def run(args, axes: dict[str, int]) -> int:
             f"{half}: {o.calls} layer calls share {len(o.bodies)} compiled bod"
             f"{'y' if len(o.bodies) == 1 else 'ies'}"
             for half, o in zip(("forward", "backward") * len(records), outlined)))
+    peaks = [r.predicted_peak() for r in records if r.predicted_peak() is not None]
+    if peaks:
+        say(f"memory: {max(peaks, key=lambda e: e.peak_bytes)}")
     if step_times:
         say(f"step time: median {statistics.median(step_times) * 1e3:.1f} ms over "
             f"{len(step_times)} steps")

@@ -76,6 +76,13 @@ def dtensor_of_local(local: torch.Tensor, spec: DTensorSpec) -> Any:
     return DTensor(local, spec, requires_grad=False)
 
 
+def release_saved_tensors(ctx: Any) -> None:
+    """Drop an autograd.Function's references to its saved tensors inside its backward, unless
+    the graph is kept (``retain_graph``): what AOTAutograd's backward does before calling its
+    compiled backward (``ctx.maybe_clear_saved_tensors``; 2.11, 2.13)."""
+    ctx.maybe_clear_saved_tensors()
+
+
 def global_stride(local: torch.Tensor, mesh: Any, placements: Any) -> tuple[int, ...]:
     """The GLOBAL strides DTensor declares for a tensor whose local piece is ``local``
     (``compute_global_tensor_info``; 2.11, 2.13)."""
