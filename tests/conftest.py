@@ -26,6 +26,22 @@ class SmallMLP(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x))).sum()
 
 
+def sharded_llama(mesh, size):
+    """The test Llama of ``size`` (``LlamaSize``), Megatron on the mesh's ``tp`` axis and FSDP on
+    its ``dp`` axis (the stock planners), its parameters made DTensors on ``mesh``."""
+    from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
+    from dynamo_dist.testing.models import build_llama
+
+    model = build_llama(size)
+    names = mesh.mesh_dim_names
+    plan = TensorParallelPlanner(axis="tp").build_plan(model) if "tp" in names else None
+    if "dp" in names:
+        plan = DataParallelPlanner(axis="dp", mesh_axis_size=mesh["dp"].size()).build_plan(
+            model, plan)
+    shard_module(model, mesh, plan)
+    return model
+
+
 def make_fake_mesh(shape, names, rank: int = 0):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -41,6 +57,20 @@ def fake_mesh():
     yield make_fake_mesh
     if dist.is_initialized():
         dist.destroy_process_group()
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def mesh_of_one():
+    """A real gloo process group of one rank in this process; yields a maker of meshes of
+    size-1 axes with the given names."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield lambda names: init_device_mesh("cpu", (1,) * len(names), mesh_dim_names=names)
+    dist.destroy_process_group()
     torch._dynamo.reset()
 
 

@@ -7,11 +7,12 @@ import torch.distributed as dist
 
 from benchmarks.bench.memory import local_bytes, step_peak
 from dynamo_dist import compile_records
-from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
-from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
+from conftest import sharded_llama
+from dynamo_dist.plans import TensorParallelPlanner, shard_module
+from dynamo_dist.testing.models import LlamaSize, token_batch
 from inductor_passes import memory
 from inductor_passes.core import compat
-from tests.test_world_of_one import _Deep, mesh_of_one  # noqa: F401 (fixture)
+from tests.test_world_of_one import _Deep
 
 
 def test_liveness_of_a_chain_is_counted_exactly():
@@ -37,7 +38,7 @@ def _measured(step, model) -> int:
     return step_peak(step, torch.device("cpu"), local_bytes(model.parameters()))["peak_bytes"]
 
 
-def test_the_prediction_bounds_a_compiled_step_on_one_rank(mesh_of_one):  # noqa: F811
+def test_the_prediction_bounds_a_compiled_step_on_one_rank(mesh_of_one):
     mesh = mesh_of_one(("tp",))
     model = _Deep(width=256, depth=6)
     shard_module(model, mesh, TensorParallelPlanner(axis="tp").build_plan(model))
@@ -55,10 +56,7 @@ def test_the_prediction_bounds_a_compiled_step_on_a_2x2_mesh(fake_mesh):
     mesh = fake_mesh((2, 2), ("dp", "tp"))
     size = LlamaSize(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512,
                      seq=64, batch=8)
-    model = build_llama(size)
-    plan = TensorParallelPlanner(axis="tp").build_plan(model)
-    plan = DataParallelPlanner(axis="dp", mesh_axis_size=2).build_plan(model, plan)
-    shard_module(model, mesh, plan)
+    model = sharded_llama(mesh, size)
     compiled = torch.compile(model, backend="dist")
     ids = token_batch(size, 0)
     got = _measured(lambda: compiled(input_ids=ids, labels=ids).loss.backward(), model)

@@ -5,13 +5,12 @@ the end of the backward, and moving them changes no value."""
 import torch
 import torch.fx as fx
 
-from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner
-from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
+from conftest import sharded_llama
+from dynamo_dist import compile_records
+from dynamo_dist.testing.models import LlamaSize, token_batch
 from inductor_passes import schedule
 from inductor_passes.core import compat
 from inductor_passes.core.collectives import collective_kind
-from dynamo_dist import compile_records
-from dynamo_dist.plans import shard_module
 
 _VIEWS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "clone", "alias",
           "constant_pad_nd", "contiguous", "slice", "narrow", "expand"}
@@ -61,11 +60,8 @@ def test_fsdp_gradients_are_reduce_scattered_where_they_are_ready(fake_mesh):
     mesh = fake_mesh((2, 2), ("dp", "tp"))
     size = LlamaSize(layers=3, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=128,
                      seq=16, batch=4)
-    model = build_llama(size)
-    plan = TensorParallelPlanner(axis="tp").build_plan(model)
-    plan = DataParallelPlanner(axis="dp", mesh_axis_size=2).build_plan(model, plan)
+    model = sharded_llama(mesh, size)
     ids = token_batch(size, 0)
-    shard_module(model, mesh, plan)
     compiled = torch.compile(model, backend="dist", options={"inductor": False})
     compiled(input_ids=ids, labels=ids).loss.backward()
     rec = compile_records()[-1]

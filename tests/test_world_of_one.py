@@ -8,24 +8,12 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from conftest import SmallMLP
 from dynamo_dist import compile_records
 from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
 from inductor_passes.core.collectives import collective_kind
-
-
-@pytest.fixture
-def mesh_of_one():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield lambda names: init_device_mesh("cpu", (1,) * len(names), mesh_dim_names=names)
-    dist.destroy_process_group()
-    torch._dynamo.reset()
 
 
 def _autograd_nodes(root) -> list[str]:
