@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 import os
 from typing import Callable
@@ -20,6 +21,7 @@ from . import comm, memory, outline, schedule
 # ``inductor_fix.install_inductor_mutation_order_fix`` (a read scheduled ahead of an in-place draw)
 # must not be served again. Bump it when a torch patch of ours changes generated code.
 _CACHE_KEY_TAG = "dynamo_dist:mutation-order-1"
+log = logging.getLogger("dynamo_dist")
 
 
 @dataclasses.dataclass
@@ -69,10 +71,37 @@ def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int
         return (lambda args: gm(*args)), None
     inputs = inputs if inputs is not None else _example_inputs(gm)
     comm.copy_shared_all_reduce_inputs(gm)
+    shared = None
     if not comm.inductor_config():  # bucketing merges across layers: it sees the whole graph
-        done = outline.outline_repeats(gm)
+        shared = _copy(gm)  # outlined apart: ``gm`` stays flat, to fall back on
+        done = outline.outline_repeats(shared)
         if outlined is not None:
             outlined.append(done)
+        shared = shared if done.calls else None
+    try:
+        compiled, strides = _inductor(shared if shared is not None else gm, inputs,
+                                      is_backward, visible)
+    except Exception as exc:  # noqa: BLE001 (Inductor's own errors are of many types)
+        if shared is None:
+            raise
+        # every rank compiles the same graph, so every rank falls back alike
+        log.warning("dynamo_dist: Inductor failed on the graph with shared layer bodies "
+                    "(%s: %s); compiling every layer in place", type(exc).__name__,
+                    str(exc).splitlines()[0][:300] if str(exc) else "")
+        if outlined:
+            outlined[-1] = outline.Outlined()
+        compiled, strides = _inductor(gm, inputs, is_backward, visible)
+
+    def run(args):
+        # a list is handed over as it is: the compiled graph empties it and drops each input
+        # after its last use (the backward's saved activations are freed as they are consumed)
+        return compiled(args if type(args) is list else list(args))
+
+    return run, strides
+
+
+def _inductor(gm: fx.GraphModule, inputs: list, is_backward: bool, visible: int
+              ) -> tuple[Callable, list]:
     out = next(iter(gm.graph.find_nodes(op="output")))
     out.meta[compat.USER_VISIBLE_OUTPUTS_META] = [
         i for i, a in enumerate(out.args[0][:visible]) if isinstance(a, fx.Node)]
@@ -82,14 +111,14 @@ def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int
             _cache_key_tagged(), \
             compat.reported_output_strides() as strides:
         compiled = compat.compile_fx_inner(gm, inputs, is_backward=is_backward)
-        strides = list(strides)
+        return compiled, list(strides)
 
-    def run(args):
-        # a list is handed over as it is: the compiled graph empties it and drops each input
-        # after its last use (the backward's saved activations are freed as they are consumed)
-        return compiled(args if type(args) is list else list(args))
 
-    return run, strides
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new graph module over a copy of ``gm``'s graph (node metadata shared)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
 
 
 def _cache_key_tagged():

@@ -231,3 +231,33 @@ def test_nested_compile_region_copies_name_their_own_layer():
     layers = [outline.layer_of(n) for n in gm.graph.nodes if n.op == "call_function"]
     assert sorted({k for _, k in filter(None, layers)}) == [0, 1, 2], layers
     assert len({layers.count(k) for k in set(layers) if k}) == 1  # each copy whole
+
+
+def test_a_failure_of_inductor_on_shared_bodies_falls_back_to_layers_in_place(
+        mesh_of_one, monkeypatch, caplog):
+    """Should Inductor fail on a graph with shared bodies, the flat graph is compiled instead,
+    with a warning (every rank falls back alike): the step is right and nothing is shared."""
+    import logging
+
+    from conftest import sharded_llama
+    from dynamo_dist import compile_records
+    from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
+
+    real = compat.compile_fx_inner
+
+    def failing(gm, *args, **kwargs):
+        if gm.graph.find_nodes(op="call_function", target=HOP):
+            raise RuntimeError("planted Inductor failure")
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(compat, "compile_fx_inner", failing)
+    size = LlamaSize(layers=3, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64,
+                     seq=8, batch=2)
+    model = sharded_llama(mesh_of_one(("tp",)), size)
+    ref = build_llama(size)
+    ids = token_batch(size, 0)
+    with caplog.at_level(logging.WARNING, logger="dynamo_dist"):
+        loss = torch.compile(model, backend="dist")(input_ids=ids, labels=ids).loss
+    assert any("planted Inductor failure" in r.getMessage() for r in caplog.records)
+    assert all(o.calls == 0 for o in compile_records()[-1].step.joint.outlined)
+    torch.testing.assert_close(loss.full_tensor(), ref(input_ids=ids, labels=ids).loss)
