@@ -181,6 +181,7 @@ class SimulatedJoint:
         self.num_saved, self.num_saved_sizes = (1 if first.bw_graph is not None else 0), 0
         self.fw_graph, self.bw_graph = first.fw_graph, first.bw_graph
         self.buckets, self.issued = first.buckets, first.issued
+        self.outlined, self.predicted_peak = first.outlined, first.predicted_peak  # rank 0's
         self.backward = self._backward if first.bw_graph is not None else None
         self._saved: dict[int, dict] = {}
 
