@@ -162,6 +162,8 @@ def _signature(nodes: list[fx.Node]) -> tuple[Any, list[fx.Node]]:
             return ("dict", tuple((k, canon(v)) for k, v in a.items()))
         if isinstance(a, slice):
             return ("slice", canon(a.start), canon(a.stop), canon(a.step))
+        if isinstance(a, float):  # repr: -0.0 is not 0.0 (1 / x tells them apart)
+            return ("float", repr(a))
         if isinstance(a, _CONSTANTS):
             return (type(a).__name__, a)
         raise _Unsupported(f"argument of type {type(a).__name__}")

@@ -261,3 +261,22 @@ def test_a_failure_of_inductor_on_shared_bodies_falls_back_to_layers_in_place(
     assert any("planted Inductor failure" in r.getMessage() for r in caplog.records)
     assert all(o.calls == 0 for o in compile_records()[-1].step.joint.outlined)
     torch.testing.assert_close(loss.full_tensor(), ref(input_ids=ids, labels=ids).loss)
+
+
+def test_constants_equal_as_numbers_but_not_as_values_keep_bodies_apart():
+    """-0.0 == 0.0 in Python, but x * -0.0 and x * 0.0 differ (their reciprocals are -inf and
+    inf): layers that differ only so must not share a body."""
+    def f(x, *ws):
+        for k, (w, c) in enumerate(zip(ws, (0.0, -0.0, 0.0, -0.0))):
+            with _in_module(f"model.layers.{k}"):
+                h = torch.relu(x @ w) * c
+                x = x + 1.0 / (h + h.mean() * 0.0) * 0.0 + torch.tanh(h) - h.sum(-1, True)
+        return (x,)
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(4, D, generator=g)] + [torch.randn(D, D, generator=g) for _ in range(4)]
+    with fx_traceback.preserve_node_meta():
+        gm = compat.make_fx(f)(*args)
+    done = outline.outline_repeats(gm)
+    shared = sorted(sorted(k for _, k in layers) for layers, _ in done.bodies.values())
+    assert shared == [[0, 2], [1, 3]], done
