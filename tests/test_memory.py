@@ -54,7 +54,7 @@ def test_the_prediction_bounds_a_compiled_step_on_a_2x2_mesh(fake_mesh):
     """dp=2 x tp=2 (FSDP and Megatron) on the fake process group: its collectives return
     buffers of their real sizes, so the step allocates what a real rank does."""
     mesh = fake_mesh((2, 2), ("dp", "tp"))
-    size = LlamaSize(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512,
+    size = LlamaSize(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256,
                      seq=64, batch=8)
     model = sharded_llama(mesh, size)
     compiled = torch.compile(model, backend="dist")
