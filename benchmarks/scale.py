@@ -554,10 +554,12 @@ def run_baseline(args) -> dict:
 def dtensor_predicted_peak(fw, bw, model, dp: int) -> dict:
     """The DTensor plan's per-rank peak, estimated the same way as ours
     (``inductor_passes.memory.predict_peak`` on AOTAutograd's partitioned TP graphs), then with
-    FSDP2's sharding on dp applied: its parameters and their gradients are held as 1/dp shards
-    (the TP graphs take them whole), and FSDP2 holds two decoder layers' parameters unsharded at
-    a time (the one computing, the one prefetched). The FSDP2 part is arithmetic on the
-    estimate, not a trace of FSDP2."""
+    FSDP2's schedule on dp applied by arithmetic: each decoder layer's parameters are held as
+    1/dp shards with two layers unsharded at a time (the one computing, the one prefetched), and
+    its gradients are reduce-scattered to 1/dp shards after its backward; the root unit
+    (embeddings, final norm, lm_head) keeps its parameters unsharded through the step and its
+    gradients whole until the end of the backward (FSDP2's default for the root:
+    reshard_after_forward=False), as the TP graphs hold them. Not a trace of FSDP2."""
     from inductor_passes.memory import predict_peak
 
     saved = [p for p in bw.graph.find_nodes(op="placeholder")
@@ -568,15 +570,15 @@ def dtensor_predicted_peak(fw, bw, model, dp: int) -> dict:
     for name, p in model.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         tp_local[name] = local.numel() * local.element_size()
-    params = sum(tp_local.values())
-    layer = max(sum(b for n, b in tp_local.items() if n.startswith(f"model.layers.{i}."))
-                for i in range(len(model.model.layers)))
-    # parameters whole -> shards + two unsharded layers; gradients (counted whole where the
-    # peak is in the backward) -> shards
-    grads = params if tp.phase == "backward" else 0
-    fsdp = tp.peak_bytes - (params + grads) * (1 - 1 / dp) + 2 * layer
-    return {"tp_graphs": dataclasses.asdict(tp), "parameter_bytes_tp_local": params,
-            "largest_layer_bytes": layer, "fsdp2_tp_peak_bytes": int(fsdp)}
+    per_layer = [sum(b for n, b in tp_local.items() if n.startswith(f"model.layers.{i}."))
+                 for i in range(len(model.model.layers))]
+    layers = sum(per_layer)
+    shed = layers * (1 - 1 / dp)  # what sharding the layers' parameters saves
+    grads = shed if tp.phase == "backward" else 0  # and their gradients, in the backward
+    fsdp = tp.peak_bytes - shed - grads + 2 * max(per_layer)
+    return {"tp_graphs": dataclasses.asdict(tp), "parameter_bytes_tp_local": sum(tp_local.values()),
+            "layer_parameter_bytes_tp_local": layers, "largest_layer_bytes": max(per_layer),
+            "fsdp2_tp_peak_bytes": int(fsdp)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -669,8 +671,9 @@ def write_markdown() -> str:
            "graphs before Inductor; MiB)", "",
            "Ours: the compiled step's peak (forward, then backward). DTensor plan: the same "
            "estimate on AOTAutograd's TP graphs (parameters and gradients whole on dp), then "
-           "FSDP2 applied by arithmetic (parameters and gradients as 1/dp shards, two decoder "
-           "layers' parameters unsharded): `dtensor_predicted_peak`. Largest replicated: the "
+           "FSDP2's schedule applied by arithmetic (decoder layers' parameters and gradients as "
+           "1/dp shards, two layers unsharded at a time; the root unit's embeddings and lm_head "
+           "whole, as FSDP2 keeps them): `dtensor_predicted_peak`. Largest replicated: the "
            "biggest value the plan holds whole on every rank.", "",
            "| layers | ours: peak (phase) | inputs | saved for backward | DTensor TP graphs | "
            "FSDP2 + TP | ours / FSDP2 + TP | largest replicated value (share of our peak) |",
