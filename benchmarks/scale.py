@@ -247,10 +247,14 @@ _CAUSE = re.compile(r"of [^:]+: (\S+) (\[[^\]]*\]) -> (\[[^\]]*\])")
 
 def _classify(entry, names: tuple[str, ...], param_values: set[str]) -> str:
     """param: a parameter (or a view of one) moved; partial: a pending sum reduced (on this axis
-    the source is P); other: any other value (activations, token ids, logits)."""
+    the source is P); vocab: the token ids or output gradient gathered for the embedding
+    backward's vocabulary split (instead of reduce-scattering its whole [V, H] gradient); other:
+    any other value (activations, token ids, logits)."""
     m = _CAUSE.search(entry.cause)
     if not m:
         return "?"
+    if "embedding_dense_backward" in entry.cause and entry.kind == "all_gather":
+        return "vocab"
     value, src = m.group(1), m.group(2).strip("[]").split(",")
     if value in param_values:
         return "param"
@@ -860,10 +864,13 @@ def sanity(result: dict) -> list[str]:
     dp = [r for r in rows if r["axis"] == "dp"]
     ag = [r for r in dp if r["kind"] == "all_gather" and r["class"] == "param"]
     rs = [r for r in dp if r["kind"] == "reduce_scatter" and r["phase"] == "backward"]
-    odd = [r for r in dp if r not in ag and r not in rs and r["bytes"] > 4]
+    vocab = [r for r in dp if r["class"] == "vocab"]
+    odd = [r for r in dp if r not in ag and r not in rs and r not in vocab and r["bytes"] > 4]
     notes.append(f"dp: {sum(r['phase'] == 'forward' for r in ag)} forward + "
                  f"{sum(r['phase'] == 'backward' for r in ag)} backward parameter all_gathers, "
-                 f"{len(rs)} gradient reduce_scatters, the 4-byte loss all_reduce; anything else: "
+                 f"{len(rs)} gradient reduce_scatters, the 4-byte loss all_reduce, "
+                 f"{len(vocab)} all_gathers for the embedding gradient's vocabulary split "
+                 f"({_fmt_bytes(sum(r['bytes'] for r in vocab))}); anything else: "
                  + (", ".join(f"{r['phase']} {r['kind']} {_fmt_bytes(r['bytes'])} ({r['cause']})"
                               for r in odd) or "none") + ".")
     return notes

@@ -33,6 +33,7 @@ from inductor_passes.lowering import lower
 from inductor_passes.redistribute import local_coordinate
 from inductor_passes.sharding.config import PlannerConfig
 from inductor_passes.sharding.propagate import Plan, propagate
+from inductor_passes.sharding.rules import RuleKind
 
 from . import agreement, compiled_autograd, patches, plan_cache
 from . import symbolic as symbolic_shapes
@@ -83,7 +84,10 @@ class CompileRecord:
     def activation_gathers(self, mesh_axis: str) -> list:
         """Ledger entries that all_gather on ``mesh_axis`` anything but a parameter (a DTensor
         input) or a view of one. On a data axis this should be empty: data parallelism gathers
-        parameters (FSDP) and never the batch."""
+        parameters (FSDP) and never the batch. Not counted: the inputs of an embedding backward
+        planned vocabulary-split (``rules.embedding``), whose ranks each accumulate other rows
+        of the gradient rather than repeat a computation (the gathered token gradients replace
+        the reduce_scatter of a whole [V, H] gradient)."""
         gm = self.program.graph_module
         nodes = {n.name: n for n in gm.graph.nodes}
         params = {roles.primal_name(k) for k, i in enumerate(self.program.primal_inputs)
@@ -96,8 +100,12 @@ class CompileRecord:
                 node = node.args[0]
             return node is not None and node.name in params
 
+        def vocab_split(name: str) -> bool:
+            np_ = self.plan.nodes.get(name)
+            return np_ is not None and np_.kind is RuleKind.VOCAB_EMBEDDING
+
         return [e for e in self.ledger.entries if e.kind == "all_gather" and
-                e.mesh_axis == mesh_axis and not is_param(e.value)]
+                e.mesh_axis == mesh_axis and not is_param(e.value) and not vocab_split(e.node)]
 
 
 _VIEWS = {"aten.view.default", "aten.permute.default", "aten.t.default", "aten.alias.default",

@@ -32,6 +32,7 @@ from inductor_passes.core.errors import DistCompileError, user_source
 from inductor_passes.core.ops import attention_math, matmul_nd, wants_matmul_nd
 from inductor_passes.core.placements import is_split, is_uneven, normalize, plannable, replicate
 from inductor_passes.sharding.rules import PLANNED_WHOLE
+from inductor_passes.sharding.rules.embedding import own_backward_indices
 
 from .annotations import pin_placements, refuse_strided_nesting
 from .manual import mark_manual
@@ -673,6 +674,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
     names = {roles.primal_name(k): info.name for k, info in enumerate(tensor_infos)}
     _check_functional(joint_gm, names)
     joint_gm.graph.eliminate_dead_code()
+    own_backward_indices(joint_gm)
     joint_gm.recompile()
     out_args = pytree.tree_leaves(next(iter(gm.graph.find_nodes(op="output"))).args[0])
     manual_outs = [i for i, a in enumerate(out_args)

@@ -209,8 +209,9 @@ def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[A
     ("level" size), so any pair of placements redistributes exactly; a step that would reach an
     outer split first gathers the inner ones, which the last phase slices again.
 
-    Order: (1) axes that end Replicate/Partial, or go to another layout of the same dim, are
-    gathered or reduced, last axis first; (2) Shard->Shard and Partial->Shard moves
+    Order: (1) last axis first, axes that end Replicate/Partial, or go to another layout of the
+    same dim, are gathered or reduced, and a Partial that ends Shard of a dim no other axis
+    splits is reduce-scattered; (2) Shard->Shard and Partial->Shard moves
     (all_to_all, reduce_scatter), outer axes first, each once the axes after it no longer split
     the dims it touches (if none is ready, the inner splits in the way are gathered); (3) local
     slices, first axis first.
@@ -255,6 +256,15 @@ def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[A
     for i in reversed(range(len(axes))):
         s, d = cur[i], dst[i]
         if s == d or type(s) is Replicate:
+            continue
+        if isinstance(s, Partial) and s.reduce_op in ("sum", "avg") and type(d) is Shard and \
+                not any(is_split(p) and p.dim == d.dim
+                        for j, p in enumerate((*cur, *dst)) if j % len(axes) != i):
+            # a reduce_scatter onto a dim no other axis splits: now, before the gathers of the
+            # earlier axes make the buffer larger (the order ``redistribute_cost`` prices:
+            # (S(0), P) -> (R, S(2)) reduce-scatters 1/n of what it would after the gather)
+            x = reduce_scatter(x, s.reduce_op, d.dim, axes[i], record)
+            cur[i] = d
             continue
         # a split moves to a split of ANOTHER dim (all_to_all); one dim in two layouts
         # (Shard <-> _StridedShard) goes through Replicate

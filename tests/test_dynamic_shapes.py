@@ -28,7 +28,7 @@ from dynamo_dist.testing.zoo.cell import SimRuntime, global_value
 from inductor_passes.core.placements import fmt
 
 DIMS = st.sampled_from([2, 3, 4, 5, 6, 8])
-N_EXAMPLES = int(os.environ.get("DYNAMO_DIST_DYNAMIC_EXAMPLES", "40"))
+N_EXAMPLES = int(os.environ.get("DYNAMO_DIST_DYNAMIC_EXAMPLES", "30"))
 STATS = {"pass": 0, "refused": 0, "one_program": 0}
 
 

@@ -136,3 +136,82 @@ def test_a_vocabulary_split_weight_is_planned_as_megatron_s(fake_mesh):
 @pytest.mark.parametrize("mesh_shape", [(2,), (3,)])
 def test_every_spec_on_fixed_sizes(mesh_shape):
     _check_every_spec(mesh_shape, vocab=10, padding_idx=3)
+
+
+def _fsdp_embedding_step(fake_mesh, vocab: int, batch: int, seq: int):
+    """An embedding and a head, both FSDP-sharded (Shard(0) on the data axis 'dp' of 2 ranks),
+    the token ids split over the batch there: (record, check) where check() runs the compiled
+    step on every simulated rank and compares the loss and gradients with one device's."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from dynamo_dist import compile_records
+    from dynamo_dist.testing.conformance.simulate import run_spmd
+    from inductor_passes.core.mesh_facts import add_data_axes
+
+    mesh = fake_mesh((2,), ("dp",))
+    add_data_axes(mesh, ("dp",))
+    g = torch.Generator().manual_seed(vocab)
+    weight, head = torch.randn(vocab, 64, generator=g), torch.randn(64, 8, generator=g)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+
+    def f(w, i, h):
+        return (torch.nn.functional.embedding(i, w) @ h).square().mean()
+
+    dw = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+    dh = distribute_tensor(head, mesh, [Shard(0)]).requires_grad_()
+    di = distribute_tensor(ids, mesh, [Shard(0)])
+    torch.compile(f, backend="dist", fullgraph=True, options={"inductor": False})(dw, di, dh)
+    record = compile_records()[-1]
+
+    def check():
+        wr, hr = weight.clone().requires_grad_(), head.clone().requires_grad_()
+        want = f(wr, ids, hr)
+        want.backward()
+        by_shape = {(vocab, 64): (weight, wr), (batch, seq): (ids, None), (64, 8): (head, hr)}
+        primals = [n for n in record.program.graph_module.graph.find_nodes(op="placeholder")
+                   if n.name.startswith("primals")]
+        order = [by_shape[tuple(n.meta["val"].shape)] for n in primals]
+        (got,), grads = run_spmd(record, [x for x, _ in order], [torch.ones(())], mesh)
+        torch.testing.assert_close(got, want)
+        for (_, ref), grad in zip(order, grads):
+            if ref is not None:
+                torch.testing.assert_close(grad, ref.grad)
+
+    return record, check
+
+
+def _embedding_backward(record):
+    return next(p for p in record.plan.nodes.values()
+                if p.op == str(aten.embedding_dense_backward.default))
+
+
+def test_a_large_vocabulary_accumulates_its_gradient_split_on_the_data_axis(fake_mesh):
+    """Vocabulary 1024 rows of 64, 2 x 4 tokens a step: gathering the tokens' gradients (8 x 64
+    floats) and ids costs less than reduce-scattering a whole [1024, 64] gradient (latency
+    included), so each data-parallel rank accumulates only the 512 rows it holds: the weight's gradient lands in its FSDP shard
+    with no reduce_scatter, the batch gathers on dp are only the embedding backward's (not
+    reported as batch gathers), and the numbers equal one device's."""
+    record, check = _fsdp_embedding_step(fake_mesh, vocab=1024, batch=2, seq=4)
+    assert _embedding_backward(record).kind is RuleKind.VOCAB_EMBEDDING
+    entries = record.ledger.entries
+    scattered = [e for e in entries if e.kind == "reduce_scatter"]
+    assert [e.bytes for e in scattered] == [64 * 8 * 4], entries  # the head's gradient only
+    gathers = [e for e in entries if e.kind == "all_gather" and e.phase == "backward" and
+               e.node == _embedding_backward(record).name]
+    assert sorted(e.bytes for e in gathers) == [4 * 8, 4 * 64 * 4], entries  # per rank
+    assert not record.activation_gathers("dp")
+    check()
+
+
+def test_more_tokens_than_rows_reduce_scatter_the_embedding_gradient(fake_mesh):
+    """Vocabulary 6 rows of 64, 4 x 16 tokens a step: the whole [6, 64] gradient is the smaller thing
+    to move, so it is summed over the batch split and reduce-scattered (FSDP's plan); no batch
+    gathered on dp."""
+    record, check = _fsdp_embedding_step(fake_mesh, vocab=6, batch=4, seq=16)
+    assert _embedding_backward(record).kind is RuleKind.EMBEDDING
+    kinds = sorted((e.kind, e.bytes) for e in record.ledger.entries if e.phase == "backward"
+                   and e.kind in ("reduce_scatter", "all_gather"))
+    assert ("reduce_scatter", 6 * 64 * 4) in kinds, record.ledger.entries
+    assert not [e for e in record.ledger.entries if e.kind == "all_gather" and
+                e.node == _embedding_backward(record).name]
+    check()

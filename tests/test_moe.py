@@ -64,8 +64,13 @@ def test_integer_indexing_traces_and_matches_one_device(fake_mesh, form):
 
 def test_index_backward_accumulates_split_updates(fake_mesh):
     """Tokens split over the mesh, indexing a replicated table: the backward index_put
-    (accumulate) adds each rank's rows into a Partial gradient; no gather of the updates."""
+    (accumulate) adds each rank's rows into a Partial gradient; no gather of the updates.
+    'dp' is declared a data axis (the tokens are batch data there): on a plain axis, gathering
+    8 token ids costs less than reducing the table's gradient, and the planner does that."""
+    from inductor_passes.core.mesh_facts import add_data_axes
+
     mesh = fake_mesh((2,), ("dp",))
+    add_data_axes(mesh, ("dp",))
     table, idx = torch.randn(7, 4), torch.randint(0, 7, (8,))
     f = lambda t, i: t[i] * 3  # noqa: E731
     _compile(f, distribute_tensor(table, mesh, [Replicate()]).requires_grad_(),

@@ -130,6 +130,19 @@ def test_nested_redistribute_collectives(fake_mesh, src, dst, kinds):
     assert sorted(records[(0, 0)]) == sorted(kinds)
 
 
+@pytest.mark.parametrize("src,dst", [((S0, P), (R, S1)), ((S0, P, R), (R, S1, R)),
+                                     ((S0, R, P), (R, R, S1))])
+def test_a_reduce_scatter_runs_before_the_gathers_that_grow_its_buffer(fake_mesh, src, dst):
+    """A pending sum that ends split on a dim no other axis splits is reduce-scattered before
+    an earlier axis gathers: the order the cost model prices (the embedding backward's token
+    gradients, [S(0), P] -> [R, S(2)], reduce-scattered 8x the bytes after the gather)."""
+    mesh = fake_mesh((2,) * len(src), ("a", "b", "c")[:len(src)])
+    full = torch.randn(8, 6, dtype=torch.float64)
+    _check_redistribute(mesh, full, src, dst)
+    _, records, _ = _redistribute_on_ranks(mesh, full, src, dst)
+    assert records[(0,) * len(src)] == ["reduce_scatter", "all_gather"]
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(src=st.tuples(_AXIS, _AXIS, _AXIS), dst=st.tuples(_AXIS, _AXIS, _AXIS),
        one=st.sampled_from([0, 1, 2]), shape=st.sampled_from([(12, 8), (7, 10)]))

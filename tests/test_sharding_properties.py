@@ -75,7 +75,7 @@ def _nested(shape_pls):
                for pls in shape_pls for d in range(4))
 
 
-N_EXAMPLES = int(os.environ.get("DYNAMO_DIST_PROPERTY_EXAMPLES", "300"))
+N_EXAMPLES = int(os.environ.get("DYNAMO_DIST_PROPERTY_EXAMPLES", "200"))
 
 
 @settings(max_examples=N_EXAMPLES, deadline=None, derandomize=True,

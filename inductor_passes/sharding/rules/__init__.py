@@ -41,7 +41,7 @@ from .base import (GETITEM, AxisOption, OpSpec, RuleKind, RuleSource, expand_mul
                    expand_to_mesh, replicated_spec, tensor_args, val_shape)
 from .conv import CONV, conv_flops, conv_strategy
 from .dtensor import dtensor_strategy
-from .embedding import EMBEDDING, embedding_strategy, local_impl
+from .embedding import EMBEDDING, EMBEDDING_PLANNED_WHOLE, embedding_strategy, local_impl
 from .factory import FILLS, factory_strategy
 from .grouped_mm import GROUPED_MM, grouped_mm_strategy
 from .indexing import INDEXING, slice_scatter_strategy
@@ -49,7 +49,7 @@ from .manual import manual_strategy
 from .matmul import EINSUM, einsum_strategy
 from .moments import MOMENTS, in_op_cost, moments_strategy
 from .pointwise import REVERSE, is_pointwise, is_random, pointwise_strategy, reverse_strategy
-from .pool import PLANNED_WHOLE, POOL, pool_strategy
+from .pool import POOL, POOL_PLANNED_WHOLE, pool_strategy
 from .strided import RESHAPES, Strided, with_strided
 
 __all__ = ["GETITEM", "AxisOption", "OpSpec", "RuleKind", "RuleSource", "Strided",
@@ -58,6 +58,9 @@ __all__ = ["GETITEM", "AxisOption", "OpSpec", "RuleKind", "RuleSource", "Strided
            "local_impl", "node_cost", "op_strategy", "replicated_spec", "tensor_args", "val_shape"]
 
 aten = torch.ops.aten
+# ops capture keeps undecomposed so that their own rule plans them (lowering decomposes them
+# on local shapes, so Inductor still sees the decomposed form)
+PLANNED_WHOLE = POOL_PLANNED_WHOLE | EMBEDDING_PLANNED_WHOLE
 
 
 def op_strategy(node: fx.Node, current: Sequence[Placements], mesh, mesh_shape: Sequence[int],

@@ -37,7 +37,31 @@ from .base import OpSpec, RuleKind, expand_to_mesh, node_arg, val_shape
 
 aten = torch.ops.aten
 EMBEDDING = {aten.embedding.default, aten.embedding_dense_backward.default}
+# Inductor decomposes the backward into zeros [V, H] plus a masked index_put, whose rule cannot
+# split the indexed (vocabulary) dim: a token-split plan then adds each rank's tokens into a whole
+# [V, H] buffer and reduce-scatters it (2 GiB per rank at Llama-3's vocabulary). Kept whole, the
+# vocabulary option is on offer too: gather the tokens' gradients and accumulate only this
+# rank's rows, where the cost model finds that cheaper.
+EMBEDDING_PLANNED_WHOLE = {aten.embedding_dense_backward.default}
 P, R = Partial("sum"), Replicate()
+
+
+def own_backward_indices(gm: fx.GraphModule) -> None:
+    """Give each ``embedding_dense_backward`` an alias of its token ids of its own (in place).
+    Its vocabulary option wants the ids whole; redistribute variables are per value, so with the
+    ids shared with the forward lookup, a gather priced for the backward would be offered to the
+    forward too (which would then repeat on every data-parallel rank). The alias is a free view
+    that lowering and Inductor drop."""
+    for node in list(gm.graph.find_nodes(op="call_function",
+                                         target=aten.embedding_dense_backward.default)):
+        ids = node.args[1]
+        if not isinstance(ids, fx.Node) or all(u.target is node.target for u in ids.users):
+            continue
+        with gm.graph.inserting_before(node):
+            alias = gm.graph.call_function(aten.alias.default, (ids,))
+        alias.meta = {**node.meta, "val": ids.meta["val"]}
+        node.replace_input_with(ids, alias)
+    gm.recompile()
 
 
 def embedding_strategy(node: fx.Node, mesh_shape: Sequence[int]) -> list[OpSpec]:

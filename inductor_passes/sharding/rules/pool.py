@@ -53,7 +53,7 @@ POOL: dict = {
 # Inductor decomposes this op into a scatter_add over a view [N * C, H * W]: a batch split
 # unevenly (3 samples on 2 ranks) has no placement there, and the plan gathered the gradient.
 # Capture keeps it whole for planning (this rule); lowering decomposes it on local shapes.
-PLANNED_WHOLE = {aten.max_pool2d_with_indices_backward.default}
+POOL_PLANNED_WHOLE = {aten.max_pool2d_with_indices_backward.default}
 _FRACTIONAL = {aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default}
 
 
