@@ -188,9 +188,10 @@ def _embedding_backward(record):
 def test_a_large_vocabulary_accumulates_its_gradient_split_on_the_data_axis(fake_mesh):
     """Vocabulary 1024 rows of 64, 2 x 4 tokens a step: gathering the tokens' gradients (8 x 64
     floats) and ids costs less than reduce-scattering a whole [1024, 64] gradient (latency
-    included), so each data-parallel rank accumulates only the 512 rows it holds: the weight's gradient lands in its FSDP shard
-    with no reduce_scatter, the batch gathers on dp are only the embedding backward's (not
-    reported as batch gathers), and the numbers equal one device's."""
+    included), so each data-parallel rank accumulates only the 512 rows it holds: the weight's
+    gradient lands in its FSDP shard with no reduce_scatter, the batch gathers on dp are only
+    the embedding backward's (not reported as batch gathers), and the numbers equal one
+    device's."""
     record, check = _fsdp_embedding_step(fake_mesh, vocab=1024, batch=2, seq=4)
     assert _embedding_backward(record).kind is RuleKind.VOCAB_EMBEDDING
     entries = record.ledger.entries
@@ -204,8 +205,8 @@ def test_a_large_vocabulary_accumulates_its_gradient_split_on_the_data_axis(fake
 
 
 def test_more_tokens_than_rows_reduce_scatter_the_embedding_gradient(fake_mesh):
-    """Vocabulary 6 rows of 64, 4 x 16 tokens a step: the whole [6, 64] gradient is the smaller thing
-    to move, so it is summed over the batch split and reduce-scattered (FSDP's plan); no batch
+    """Vocabulary 6 rows of 64, 4 x 16 tokens a step: the whole [6, 64] gradient is the smaller
+    thing to move, so it is summed over the batch split and reduce-scattered (FSDP's plan); no batch
     gathered on dp."""
     record, check = _fsdp_embedding_step(fake_mesh, vocab=6, batch=4, seq=16)
     assert _embedding_backward(record).kind is RuleKind.EMBEDDING

@@ -589,10 +589,11 @@ class EdgePricer:
 def vocab_gradient_inputs(gm: fx.GraphModule) -> set[fx.Node]:
     """Values an embedding's gradient may gather across a data axis at their plain price: the
     token ids and the lookup's output gradient of each ``embedding_dense_backward``, when they
-    feed nothing else (capture gives the backward ids of its own: ``own_backward_indices``). Gathered there, the backward's vocabulary split accumulates only
-    the rows this rank holds of its parameter's gradient ([V/n, H] instead of a whole [V, H] to
-    reduce-scatter): at Llama-3-8B shapes on dp=8 it moves 224 MiB per rank instead of 1.75 GiB
-    and holds 1/8 of the 2 GiB buffer. The step is not repeated across the batch (each rank
+    feed nothing else (capture gives the backward ids of its own: ``own_backward_indices``).
+    Gathered there, the backward's vocabulary split accumulates only the rows this rank holds
+    of its parameter's gradient ([V/n, H] instead of a whole [V, H] to reduce-scatter): at
+    Llama-3-8B shapes on dp=8 it moves 224 MiB per rank instead of 1.75 GiB and holds 1/8 of
+    the 2 GiB buffer. The step is not repeated across the batch (each rank
     adds different rows), so the data-axis surcharge does not apply; the cost model still
     decides (with more tokens a step than vocabulary rows, reducing is cheaper)."""
     found: set[fx.Node] = set()
