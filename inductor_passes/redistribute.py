@@ -210,8 +210,8 @@ def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[A
     outer split first gathers the inner ones, which the last phase slices again.
 
     Order: (1) last axis first, axes that end Replicate/Partial, or go to another layout of the
-    same dim, are gathered or reduced, and a Partial that ends Shard of a dim no other axis
-    splits is reduce-scattered; (2) Shard->Shard and Partial->Shard moves
+    same dim, are gathered or reduced, and a Partial -> Shard or Shard -> Shard of another dim
+    among dims no other axis splits is reduce-scattered or all_to_all'ed; (2) Shard->Shard and Partial->Shard moves
     (all_to_all, reduce_scatter), outer axes first, each once the axes after it no longer split
     the dims it touches (if none is ready, the inner splits in the way are gathered); (3) local
     slices, first axis first.
@@ -253,17 +253,25 @@ def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[A
             x = all_reduce(x, s.reduce_op, axes[i], record)
         cur[i] = Replicate()
 
+    def alone(i: int, dims: set[int]) -> bool:
+        """No axis but ``i`` splits any of ``dims``, now or at the end."""
+        return not any(is_split(p) and p.dim in dims
+                       for j, p in enumerate((*cur, *dst)) if j % len(axes) != i)
+
     for i in reversed(range(len(axes))):
         s, d = cur[i], dst[i]
         if s == d or type(s) is Replicate:
             continue
-        if isinstance(s, Partial) and s.reduce_op in ("sum", "avg") and type(d) is Shard and \
-                not any(is_split(p) and p.dim == d.dim
-                        for j, p in enumerate((*cur, *dst)) if j % len(axes) != i):
-            # a reduce_scatter onto a dim no other axis splits: now, before the gathers of the
-            # earlier axes make the buffer larger (the order ``redistribute_cost`` prices:
-            # (S(0), P) -> (R, S(2)) reduce-scatters 1/n of what it would after the gather)
+        # a reduce_scatter or all_to_all among dims no other axis splits goes now, before the
+        # gathers of the earlier axes make the buffer larger: the order ``redistribute_cost``
+        # prices ((S(0), P) -> (R, S(2)) reduce-scatters 1/n of what it would after the gather)
+        if type(d) is Shard and isinstance(s, Partial) and s.reduce_op in ("sum", "avg") and \
+                alone(i, {d.dim}):
             x = reduce_scatter(x, s.reduce_op, d.dim, axes[i], record)
+            cur[i] = d
+            continue
+        if type(d) is Shard and type(s) is Shard and s.dim != d.dim and alone(i, {s.dim, d.dim}):
+            x = all_to_all(x, s.dim, d.dim, axes[i], record, level(i, s.dim))
             cur[i] = d
             continue
         # a split moves to a split of ANOTHER dim (all_to_all); one dim in two layouts

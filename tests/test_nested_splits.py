@@ -130,17 +130,22 @@ def test_nested_redistribute_collectives(fake_mesh, src, dst, kinds):
     assert sorted(records[(0, 0)]) == sorted(kinds)
 
 
-@pytest.mark.parametrize("src,dst", [((S0, P), (R, S1)), ((S0, P, R), (R, S1, R)),
-                                     ((S0, R, P), (R, R, S1))])
-def test_a_reduce_scatter_runs_before_the_gathers_that_grow_its_buffer(fake_mesh, src, dst):
-    """A pending sum that ends split on a dim no other axis splits is reduce-scattered before
-    an earlier axis gathers: the order the cost model prices (the embedding backward's token
-    gradients, [S(0), P] -> [R, S(2)], reduce-scattered 8x the bytes after the gather)."""
+@pytest.mark.parametrize("src,dst,kinds", [
+    ((S0, P), (R, S1), ["reduce_scatter", "all_gather"]),
+    ((S0, P, R), (R, S1, R), ["reduce_scatter", "all_gather"]),
+    ((S0, R, P), (R, R, S1), ["reduce_scatter", "all_gather"]),
+    ((S0, S1), (R, Shard(2)), ["all_to_all", "all_gather"]),
+])
+def test_a_move_runs_before_the_gathers_that_grow_its_buffer(fake_mesh, src, dst, kinds):
+    """A pending sum that ends split, or a split that moves to another dim, among dims no other
+    axis splits, moves before an earlier axis gathers: the order the cost model prices (the
+    embedding backward's token gradients, [S(0), P] -> [R, S(2)], were reduce-scattered at 8x
+    the bytes after the gather)."""
     mesh = fake_mesh((2,) * len(src), ("a", "b", "c")[:len(src)])
-    full = torch.randn(8, 6, dtype=torch.float64)
+    full = torch.randn(8, 6, 4, dtype=torch.float64)
     _check_redistribute(mesh, full, src, dst)
     _, records, _ = _redistribute_on_ranks(mesh, full, src, dst)
-    assert records[(0,) * len(src)] == ["reduce_scatter", "all_gather"]
+    assert records[(0,) * len(src)] == kinds
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
