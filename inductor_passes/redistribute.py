@@ -211,10 +211,10 @@ def redistribute(x: torch.Tensor, src: Placements, dst: Placements, axes: list[A
 
     Order: (1) last axis first, axes that end Replicate/Partial, or go to another layout of the
     same dim, are gathered or reduced, and a Partial -> Shard or Shard -> Shard of another dim
-    among dims no other axis splits is reduce-scattered or all_to_all'ed; (2) Shard->Shard and Partial->Shard moves
-    (all_to_all, reduce_scatter), outer axes first, each once the axes after it no longer split
-    the dims it touches (if none is ready, the inner splits in the way are gathered); (3) local
-    slices, first axis first.
+    among dims no other axis splits is reduce-scattered or all_to_all'ed; (2) the other
+    Shard->Shard and Partial->Shard moves (all_to_all, reduce_scatter), outer axes first, each
+    once the axes after it no longer split the dims it touches (if none is ready, the inner
+    splits in the way are gathered); (3) local slices, first axis first.
     """
     if any(ax.size == 1 for ax in axes):
         # one rank holds the whole value in every placement of a size-1 axis (a piece of one

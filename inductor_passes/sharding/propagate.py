@@ -37,6 +37,7 @@ from ..core.placements import (Placements, fmt, is_placements, is_split, nbytes,
 from .config import DEFAULT, PlanMethod, PlannerConfig
 from .cost import redistribute_cost
 from .repeats import LocalKeys, repeat_classes
+from .rules import embedding
 from .rules import (GETITEM, OpSpec, RuleKind, RuleSource, Strided, node_cost, op_strategy,
                     replicated_spec, tensor_args)
 from .solver import ShardingILP, program_factors
@@ -560,7 +561,7 @@ class EdgePricer:
         self.weights = weights if any(w != 1.0 for w in weights) else None
         self.params = parameter_views(gm, origins, _priced_axes(mesh, data_axes))
         self.data_idx = _data_idx(mesh, data_axes)
-        self.vocab_inputs = vocab_gradient_inputs(gm)
+        self.vocab_inputs = embedding.vocab_gradient_inputs(gm)
         self._keys: dict[fx.Node, tuple] = {}
 
     def key(self, node: fx.Node) -> tuple:
@@ -584,25 +585,6 @@ class EdgePricer:
                 any(is_split(cur[i]) and cur[i] != req[i] for i in self.data_idx):
             cost *= self.config.data_axis_activation_factor
         return cost
-
-
-def vocab_gradient_inputs(gm: fx.GraphModule) -> set[fx.Node]:
-    """Values an embedding's gradient may gather across a data axis at their plain price: the
-    token ids and the lookup's output gradient of each ``embedding_dense_backward``, when they
-    feed nothing else (capture gives the backward ids of its own: ``own_backward_indices``).
-    Gathered there, the backward's vocabulary split accumulates only the rows this rank holds
-    of its parameter's gradient ([V/n, H] instead of a whole [V, H] to reduce-scatter): at
-    Llama-3-8B shapes on dp=8 it moves 224 MiB per rank instead of 1.75 GiB and holds 1/8 of
-    the 2 GiB buffer. The step is not repeated across the batch (each rank
-    adds different rows), so the data-axis surcharge does not apply; the cost model still
-    decides (with more tokens a step than vocabulary rows, reducing is cheaper)."""
-    found: set[fx.Node] = set()
-    for node in gm.graph.find_nodes(op="call_function",
-                                    target=torch.ops.aten.embedding_dense_backward.default):
-        for value in node.args[:2]:  # the output gradient, the ids (``own_backward_indices``)
-            if isinstance(value, fx.Node) and all(u.target is node.target for u in value.users):
-                found.add(value)
-    return found
 
 
 # Ops that only re-index their one tensor input. A Replicate copy of their output is the op
