@@ -1,35 +1,45 @@
-"""Comm pass: bucket the collectives of each local graph.
+"""Comm pass: bucket the collectives of each local graph, one layer at a time.
 
 A lowered graph issues one collective per redistribute: FSDP-style sharding gathers every
 parameter on its own and reduce-scatters every gradient on its own, each paying the
 collective's fixed latency (76 all_gather + 39 reduce_scatter per step on the small Llama at
-dp=2 x tp=2, against FSDP2's 9 + 5). Bucketing merges independent collectives of one kind, group
-and dtype into one collective over a flat buffer: one latency per bucket instead of one per tensor.
+dp=2 x tp=2, against FSDP2's 9 + 5). Bucketing merges independent collectives of one kind, group,
+reduce op and dtype into one collective over a flat buffer: one latency per bucket instead of one
+per tensor.
 
-The merging is Inductor's FX bucketing pass (``torch._inductor.fx_passes.bucketing``, the pass
-SimpleFSDP / torchtitan use), switched on through Inductor's config; we own the policy:
+Buckets never cross a layer boundary (FSDP2's unit is one layer too): a layer's parameters are
+gathered together when that layer runs, not every layer's at the start of the forward, so at
+most one layer's gathered parameters are live at once. Each collective carries its layer
+(``outline.assign_layers``, the same grouping that outlining uses) as part of the bucket key;
+collectives inside a shared layer body (``outline``) bucket within the body. Collectives
+outside every layer (embedding, head, loss) bucket among themselves.
+
+The grouping and merging are Inductor's (``torch._inductor.fx_passes.bucketing``, the pass
+SimpleFSDP / torchtitan use), run as Inductor's post-grad custom pass; we own the policy:
   * which kinds: all_gather, reduce_scatter and all_reduce;
-  * bucket size: at most ``bucket_cap_mb()`` MiB per bucket (the larger of input and output);
-    ``DYNAMO_DIST_BUCKET_MB=25`` (DDP's bucket size) turns it on. A cap bounds the memory a
-    bucket of gathered parameters holds at once.
+  * the key: Inductor's (group, reduce op, dtype) plus the layer;
+  * bucket size: at most ``bucket_cap_mb()`` MiB per bucket (the larger of input and output),
+    ``DYNAMO_DIST_BUCKET_MB``, default 25 (DDP's bucket size); 0 turns bucketing off.
 
-OFF by default. With torch 2.13's pass on, the model zoo on 2-4 real gloo ranks under Inductor
-first trained four cells to wrong numbers with no error (T5 dp=2 and dp=2 x tp=2: NaN loss;
-Mixtral dp=2 x tp=2: gradients off by 120%; the ConvNet dp=2: a BatchNorm bias gradient 2x).
-Two Inductor defects, both worked around now: C++ fusion scheduling a read of an in-place
-filled buffer before the fill (``inductor_fix.install_inductor_mutation_order_fix``, on for every
-compile: T5, Mixtral), and an all_reduce bucket overwriting an input that is read again later
-(``copy_shared_all_reduce_inputs`` below: the ConvNet). Those cells train at parity with
-bucketing on; it stays an opt-in that warns until the whole zoo has been run with it.
-Only collectives with no path between them are merged (the pass checks), and only runs of one
-kind, group and dtype in graph order, so every rank merges the same ones.
+On by default since 2026-11-26, when the model zoo trained at parity with it on real gloo
+ranks under Inductor. Its history: with torch 2.13's pass on, the zoo first trained four cells
+to wrong numbers with no error (T5 dp=2 and dp=2 x tp=2: NaN loss; Mixtral dp=2 x tp=2:
+gradients off by 120%; the ConvNet dp=2: a BatchNorm bias gradient 2x). Two Inductor defects,
+both worked around: C++ fusion scheduling a read of an in-place filled buffer before the fill
+(``inductor_fix.install_inductor_mutation_order_fix``, on for every compile: T5, Mixtral), and
+an all_reduce bucket overwriting an input that is read again later
+(``copy_shared_all_reduce_inputs`` below: the ConvNet). Only collectives with no path between
+them are merged (the grouping checks), and only runs of one key in graph order, so every rank
+merges the same ones.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+from typing import Any
 
 import torch.fx as fx
 
@@ -37,61 +47,101 @@ from inductor_passes.core import compat
 from inductor_passes.core import inductor_fix  # noqa: F401  (installs the fix on import)
 from inductor_passes.core.collectives import collective_op
 
-DEFAULT_BUCKET_MB = 0.0  # off: see the module doc
-SUGGESTED_BUCKET_MB = 25.0
+from . import outline
+from .schedule import INVOKE_SUBGRAPH
+
+DEFAULT_BUCKET_MB = 25.0  # DDP's bucket size
+# node meta key: the (family, index) of the layer a collective belongs to, or absent
+LAYER_META = "dynamo_dist_layer"
 
 log = logging.getLogger("dynamo_dist.comm")
 
 
 def bucket_cap_mb() -> float:
-    """Largest bucket, in MiB (``DYNAMO_DIST_BUCKET_MB``; unset, 0 or less: no bucketing).
+    """Largest bucket, in MiB (``DYNAMO_DIST_BUCKET_MB``, default 25; 0 or less: no bucketing).
+    0 as well when this torch lacks the bucketing functions (logged once).
 
     Raises ValueError naming the variable when it is not a number."""
     text = os.environ.get("DYNAMO_DIST_BUCKET_MB", "")
-    if not text:
-        return DEFAULT_BUCKET_MB
     try:
-        mb = float(text)
+        mb = float(text) if text else DEFAULT_BUCKET_MB
     except ValueError:
         raise ValueError(f"DYNAMO_DIST_BUCKET_MB={text!r} is not a number of MiB; "
-                         f"fix: set it to e.g. {SUGGESTED_BUCKET_MB:g}, or 0 to turn bucketing "
+                         f"fix: set it to e.g. {DEFAULT_BUCKET_MB:g}, or 0 to turn bucketing "
                          f"off") from None
-    if mb > 0:
-        _warn_bucketing_once(mb)
+    if mb > 0 and not compat.can_bucket():
+        _warn_no_bucketing_once()
+        return 0.0
     return mb
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_bucketing_once(mb: float) -> None:
-    log.warning("dynamo_dist: collective bucketing on (DYNAMO_DIST_BUCKET_MB=%g), an opt-in: "
-                "Inductor's bucketing pass has trained models to wrong numbers before (the two "
-                "causes found are worked around; see inductor_passes/comm.py); check your model "
-                "against one process, or unset DYNAMO_DIST_BUCKET_MB", mb)
+def _warn_no_bucketing_once() -> None:
+    log.warning("dynamo_dist: this torch lacks Inductor's collective bucketing functions; "
+                "every collective is issued on its own (one latency each)")
 
 
 def _cap(mb: float, bucket_index: int) -> float:
     return mb
 
 
-def _cap_fn():
-    """Our cap as Inductor takes it (MiB by bucket index), or None when bucketing is off. A
-    ``functools.partial``: Inductor's FX graph cache pickles its config into the key, so another
-    cap is another cache entry, never a stale bucketing."""
+def _layer(node: fx.Node) -> Any:
+    return node.meta.get(LAYER_META)
+
+
+def tag_layers(gm: fx.GraphModule) -> None:
+    """Record on each collective of ``gm`` (a flat local graph, before outlining: bodies copy
+    the tags) the layer it belongs to, the part of its bucket key that keeps buckets inside
+    one layer."""
+    for node, key in outline.assign_layers(gm).items():
+        if collective_op(node) is not None:
+            node.meta[LAYER_META] = key
+
+
+def _bodies(gm: fx.GraphModule) -> dict[str, int]:
+    """Each ``invoke_subgraph`` body of ``gm`` (attribute name) and how many times it is called."""
+    calls: dict[str, int] = {}
+    for node in gm.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH) \
+            if INVOKE_SUBGRAPH is not None else ():
+        calls[node.args[0].target] = calls.get(node.args[0].target, 0) + 1
+    return calls
+
+
+def _fingerprint(gm: fx.GraphModule) -> str:
+    """The layer of every collective, in order, over ``gm`` and its bodies: part of Inductor's
+    cache key, since the graph's code does not show it and another tagging buckets otherwise."""
+    graphs = [gm] + [getattr(gm, name) for name in _bodies(gm)]
+    tags = [(n.name, _layer(n)) for g in graphs for n in g.graph.nodes if collective_op(n)]
+    return hashlib.sha256(repr(tags).encode()).hexdigest()[:16]
+
+
+def inductor_config(gm: fx.GraphModule) -> dict:
+    """Inductor config entries that bucket ``gm``'s collectives (and its bodies') layer by
+    layer with our cap; empty when bucketing is off."""
     mb = bucket_cap_mb()
-    return functools.partial(_cap, mb) if mb > 0 else None
+    if mb <= 0:
+        return {}
+    cap = functools.partial(_cap, mb)
 
+    def bucket(graph) -> None:
+        compat.bucket_collectives(graph.owning_module, cap, _layer)
 
-def inductor_config() -> dict:
-    """Inductor config entries that turn bucketing on with our cap (empty when it is off)."""
-    cap = _cap_fn()
-    return compat.bucketing_config(cap) if cap else {}
+    return compat.post_grad_pass(bucket, ("layer-buckets-1", mb, _fingerprint(gm)))
 
 
 def predicted_buckets(gm: fx.GraphModule) -> dict[str, list[int]]:
-    """Per collective kind, the sizes (number of collectives merged) of the buckets Inductor will
-    form in ``gm``: what the ledger reports as issued. Reads the graph, changes nothing."""
-    cap = _cap_fn()
-    return compat.predict_buckets(gm, cap) if cap else {}
+    """Per collective kind, the sizes (number of collectives merged) of the buckets Inductor
+    will issue per call of ``gm``, the graph handed to it (a body's buckets once per call):
+    what the ledger reports as issued. Reads the graph, changes nothing."""
+    mb = bucket_cap_mb()
+    if mb <= 0:
+        return {}
+    cap = functools.partial(_cap, mb)
+    out: dict[str, list[int]] = {}
+    for graph, times in [(gm, 1), *((getattr(gm, b), n) for b, n in _bodies(gm).items())]:
+        for kind, buckets in compat.find_buckets(graph, cap, _layer).items():
+            out.setdefault(kind, []).extend(len(b) for b in buckets for _ in range(times))
+    return out
 
 
 def copy_shared_all_reduce_inputs(gm: fx.GraphModule) -> int:
@@ -105,7 +155,7 @@ def copy_shared_all_reduce_inputs(gm: fx.GraphModule) -> int:
     removes it as a no-op before bucketing."""
     import torch
 
-    if _cap_fn() is None:
+    if bucket_cap_mb() <= 0:
         return 0
     count = 0
     for node in list(gm.graph.nodes):

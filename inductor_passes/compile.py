@@ -57,10 +57,11 @@ def _example_inputs(gm: fx.GraphModule) -> list:
 
 def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int,
              inputs: list | None = None, outlined: list | None = None
-             ) -> tuple[Callable, list | None]:
-    """Compile one half; returns (boxed callable, strides of each output as compiled or None).
-    With Inductor, repeated layers are first outlined into shared bodies (``outline``; what
-    was shared is appended to ``outlined``).
+             ) -> tuple[Callable, list | None, dict[str, list[int]]]:
+    """Compile one half; returns (boxed callable, strides of each output as compiled or None,
+    the buckets the comm pass forms per call: ``comm.predicted_buckets``). With Inductor,
+    repeated layers are first outlined into shared bodies (``outline``; what was shared is
+    appended to ``outlined``) and collectives are bucketed layer by layer (``comm``).
 
     ``visible``: the first ``visible`` outputs keep the strides the graph traced (what the
     runtime declares for them); Inductor may lay out the others (saved activations) as it likes
@@ -68,19 +69,19 @@ def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int
     placeholders' traced values (the backward's saved activations, restrided)."""
     if not inductor:
         gm.recompile()
-        return (lambda args: gm(*args)), None
+        return (lambda args: gm(*args)), None, {}
     inputs = inputs if inputs is not None else _example_inputs(gm)
     comm.copy_shared_all_reduce_inputs(gm)
-    shared = None
-    if not comm.inductor_config():  # bucketing merges across layers: it sees the whole graph
-        shared = _copy(gm)  # outlined apart: ``gm`` stays flat, to fall back on
-        done = outline.outline_repeats(shared)
-        if outlined is not None:
-            outlined.append(done)
-        shared = shared if done.calls else None
+    comm.tag_layers(gm)  # before outlining: the bodies copy the tags
+    shared = _copy(gm)  # outlined apart: ``gm`` stays flat, to fall back on
+    done = outline.outline_repeats(shared)
+    if outlined is not None:
+        outlined.append(done)
+    shared = shared if done.calls else None
+    compiling = shared if shared is not None else gm
+    buckets = comm.predicted_buckets(compiling)  # before Inductor rewrites the graph
     try:
-        compiled, strides = _inductor(shared if shared is not None else gm, inputs,
-                                      is_backward, visible)
+        compiled, strides = _inductor(compiling, inputs, is_backward, visible)
     except Exception as exc:  # noqa: BLE001 (Inductor's own errors are of many types)
         if shared is None:
             raise
@@ -90,6 +91,7 @@ def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int
                     str(exc).splitlines()[0][:300] if str(exc) else "")
         if outlined:
             outlined[-1] = outline.Outlined()
+        buckets = comm.predicted_buckets(gm)
         compiled, strides = _inductor(gm, inputs, is_backward, visible)
 
     def run(args):
@@ -97,7 +99,7 @@ def _compile(gm: fx.GraphModule, inductor: bool, is_backward: bool, visible: int
         # after its last use (the backward's saved activations are freed as they are consumed)
         return compiled(args if type(args) is list else list(args))
 
-    return run, strides
+    return run, strides, buckets
 
 
 def _inductor(gm: fx.GraphModule, inputs: list, is_backward: bool, visible: int
@@ -107,7 +109,7 @@ def _inductor(gm: fx.GraphModule, inputs: list, is_backward: bool, visible: int
         i for i, a in enumerate(out.args[0][:visible]) if isinstance(a, fx.Node)]
     fake_mode = compat.detect_fake_mode(inputs)
     with compat.tracing(compat.TracingContext(fake_mode)), \
-            compat.inductor_config_patch(comm.inductor_config()), \
+            compat.inductor_config_patch(comm.inductor_config(gm)), \
             _cache_key_tagged(), \
             compat.reported_output_strides() as strides:
         compiled = compat.compile_fx_inner(gm, inputs, is_backward=is_backward)
@@ -166,12 +168,12 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
     if not has_backward:
         fw = _strip_grads(local_gm, num_fwd_outputs)
         check([fw])
-        buckets, issued = _buckets([fw], inductor)
+        counts = _counts([fw])
         peak = memory.predict_peak(fw, None, num_fwd_outputs)
         outlined: list = []
-        return CompiledJoint(_compile(fw, inductor, False, num_fwd_outputs, None, outlined)[0],
-                             None, num_fwd_outputs, 0, fw, None, buckets, issued,
-                             outlined=outlined, predicted_peak=peak)
+        forward, _, buckets = _compile(fw, inductor, False, num_fwd_outputs, None, outlined)
+        return CompiledJoint(forward, None, num_fwd_outputs, 0, fw, None, buckets,
+                             _issued(counts, buckets), outlined=outlined, predicted_peak=peak)
     _tag_forward(local_gm, num_fwd_outputs)
     fw_gm, bw_gm = _partitioner()(local_gm, None, num_fwd_outputs=num_fwd_outputs)
     for gm in (fw_gm, bw_gm):  # the partitioner leaves a dead copy of a forced-save collective's input
@@ -182,20 +184,24 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
     fw_out = next(iter(fw_gm.graph.find_nodes(op="output"))).args[0]
     num_saved = len(fw_out) - num_fwd_outputs
     check([fw_gm, bw_gm])
-    buckets, issued = _buckets([fw_gm, bw_gm], inductor)  # before Inductor rewrites the graphs
+    counts = _counts([fw_gm, bw_gm])  # before Inductor rewrites the graphs
     # the partitioner returns saved sizes (symbolic shapes) after the saved tensors and the
     # backward takes them first; CompiledJoint's convention is the forward's order
     sizes = sum(isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.SymInt)
                 for a in fw_out[num_fwd_outputs:])
     peak = memory.predict_peak(fw_gm, bw_gm, num_fwd_outputs, sizes)  # before Inductor edits
     outlined: list = []
-    forward, fw_strides = _compile(fw_gm, inductor, False, num_fwd_outputs, None, outlined)
+    forward, fw_strides, fw_buckets = _compile(fw_gm, inductor, False, num_fwd_outputs, None,
+                                               outlined)
     saved_strides = fw_strides[num_fwd_outputs:num_fwd_outputs + num_saved - sizes] \
         if fw_strides is not None else None
     bw_inputs = _example_inputs(bw_gm)
     bw_inputs[sizes:] = _restrided(bw_inputs[sizes:], saved_strides)
-    backward, _ = _compile(bw_gm, inductor, True, len(bw_gm.graph.find_nodes(op="output")[0]
-                                                       .args[0]), bw_inputs, outlined)
+    backward, _, bw_buckets = _compile(bw_gm, inductor, True, len(bw_gm.graph.find_nodes(
+        op="output")[0].args[0]), bw_inputs, outlined)
+    buckets = {k: fw_buckets.get(k, []) + bw_buckets.get(k, [])
+               for k in {*fw_buckets, *bw_buckets}}
+    issued = _issued(counts, buckets)
     return CompiledJoint(forward, _sizes_first(backward, num_saved - sizes, sizes),
                          num_fwd_outputs, num_saved, fw_gm, bw_gm, buckets, issued, sizes,
                          outlined, peak)
@@ -218,20 +224,19 @@ def _sizes_first(backward: Callable, tensors: int, sizes: int) -> Callable:
     return run
 
 
-def _buckets(graphs: list[fx.GraphModule], inductor: bool
-             ) -> tuple[dict[str, list[int]], dict[str, int]]:
-    buckets: dict[str, list[int]] = {}
-    issued: dict[str, int] = {}
+def _counts(graphs: list[fx.GraphModule]) -> dict[str, int]:
+    """Per collective kind, how many the (flat) graphs hold."""
+    counts: dict[str, int] = {}
     for gm in graphs:
         for kind in map(collective_kind, gm.graph.nodes):
             if kind:
-                issued[kind] = issued.get(kind, 0) + 1
-        if inductor:  # the FX runner (inductor=False) issues every collective on its own
-            for kind, sizes in comm.predicted_buckets(gm).items():
-                buckets.setdefault(kind, []).extend(sizes)
-                if sizes:
-                    issued[kind] -= sum(n - 1 for n in sizes)
-    return buckets, issued
+                counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def _issued(counts: dict[str, int], buckets: dict[str, list[int]]) -> dict[str, int]:
+    """Per kind, the collectives issued per call: a bucket of n issues one instead of n."""
+    return {k: n - sum(m - 1 for m in buckets.get(k, [])) for k, n in counts.items()}
 
 
 def _partitioner() -> Callable:

@@ -18,6 +18,10 @@ with the same constants, wired the same way, on inputs of the same shapes, strid
 devices (``_signature``: compared whole, never by hash alone): sharing is then exact, since
 Inductor compiles the body for those input layouts and constrains every call's inputs to them.
 
+Before matching, an all_reduce of a view is rewritten as the view of the all_reduce
+(``reduce_before_views``): the planner breaks that cost tie differently in the first and last
+layers, which are otherwise the same as the rest.
+
 An instance is left in place (never an error) when outlining it could change what the program
 computes or the order of its effects: an op that draws random numbers or mutates (RNG offsets
 and in-place writes are not per-call), a higher-order op or symbolic size inside it, a path
@@ -39,6 +43,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from inductor_passes.core.collectives import collective_op
+
 from .schedule import INVOKE_SUBGRAPH, movable
 
 log = logging.getLogger("dynamo_dist.outline")
@@ -50,6 +56,7 @@ _INDEX = re.compile(r"\.(\d+)(?=\.|\[|$)|\[(\d+)\]|\['(\d+)'\]")
 # the compiled frame's own source that a path starts with (``L['args'][0]``, ``G['model']``):
 # its subscripts are Python arguments, not module lists
 _ROOT = re.compile(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*")
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _CONSTANTS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
               torch.memory_format)
 
@@ -96,7 +103,7 @@ def layer_of(node: fx.Node) -> tuple[str, int] | None:
     return path[:m.start()], int(next(g for g in m.groups() if g is not None))
 
 
-def _assign(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, int]]:
+def assign_layers(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, int]]:
     """Each call_function node's layer: its own module's, else the one layer every tagged
     neighbour (inputs and users) belongs to (repeated to a fixed point) when it was made by no
     module at all. Code of an unnumbered module (an embedding, the final norm) stays outside
@@ -192,7 +199,7 @@ class _Instance:
 def _instances(gm: fx.GraphModule) -> dict[Any, list[_Instance]]:
     """Instances grouped by (family, signature), in graph order; groups of one dropped."""
     members: dict[tuple[str, int], list[fx.Node]] = {}
-    for node, key in _assign(gm).items():
+    for node, key in assign_layers(gm).items():
         members.setdefault(key, []).append(node)
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     groups: dict[Any, list[_Instance]] = {}
@@ -271,6 +278,47 @@ def _replace(gm: fx.GraphModule, inst: _Instance, attr: fx.Node, name: str,
         gm.graph.erase_node(node)
 
 
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.reshape.default)
+
+
+def reduce_before_views(gm: fx.GraphModule) -> int:
+    """Rewrite ``wait(all_reduce(view(x)))`` as ``view(wait(all_reduce(x)))`` where the view is
+    the all_reduce's only reason to exist (its one user) and ``x`` is contiguous; returns how
+    many. The two compute the same values (an all_reduce is elementwise across ranks); the
+    planner, between equal costs, reduces before the view in some layers and after it in
+    others (the first and last layers of a Llama under tp), which made their signatures differ
+    and kept them out of the shared body. One form for all: every layer can then match."""
+    count = 0
+    for ar in list(gm.graph.nodes):
+        if collective_op(ar) != "all_reduce" or len(ar.users) != 1:
+            continue
+        view = ar.args[0]
+        wait = next(iter(ar.users))
+        if not (isinstance(view, fx.Node) and view.op == "call_function" and view.target in _VIEWS
+                and len(view.users) == 1 and wait.target is _WAIT):
+            continue
+        src = view.args[0]
+        val = src.meta.get("val") if isinstance(src, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not val.is_contiguous():
+            continue
+        with gm.graph.inserting_before(ar):
+            new_ar = gm.graph.call_function(ar.target, (src, *ar.args[1:]), dict(ar.kwargs))
+            new_wait = gm.graph.call_function(_WAIT, (new_ar,))
+            new_view = gm.graph.call_function(view.target, (new_wait, *view.args[1:]),
+                                              dict(view.kwargs))
+        new_ar.meta = {**ar.meta, "val": val}
+        new_wait.meta = {**wait.meta, "val": val}
+        new_view.meta = dict(wait.meta)
+        wait.replace_all_uses_with(new_view)
+        for node in (wait, ar, view):
+            gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 def outline_repeats(gm: fx.GraphModule) -> Outlined:
     """Rewrite ``gm`` (a local forward or backward graph) in place: each group of identical
     layers becomes calls of one shared ``invoke_subgraph`` body (attribute ``dd_layer_<k>``).
@@ -280,6 +328,7 @@ def outline_repeats(gm: fx.GraphModule) -> Outlined:
     done = Outlined()
     if not enabled():
         return done
+    reduce_before_views(gm)
     for k, ((family, sig), group) in enumerate(_instances(gm).items()):
         users = [{j for j, n in enumerate(i.nodes) if any(u not in set(i.nodes) for u in n.users)}
                  for i in group]

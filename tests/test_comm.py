@@ -41,7 +41,7 @@ def _calls(code: str, op: str) -> int:
 
 
 def test_fsdp_gathers_and_scatters_become_one_collective_each(fake_mesh, monkeypatch):
-    monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", "25")  # opt-in (off by default: see comm.py)
+    monkeypatch.delenv("DYNAMO_DIST_BUCKET_MB", raising=False)  # on by default, 25 MiB
     ledger, fw, bw = _compile_fsdp_step(fake_mesh)
     # 6 parameters: gathered for the forward, gathered again in the backward, 6 gradients
     assert ledger.count("all_gather", phase="forward") == 6
@@ -82,13 +82,68 @@ def test_bad_bucket_size_names_the_variable(monkeypatch):
         comm.bucket_cap_mb()
 
 
-def test_bucketing_is_off_unless_asked_for(fake_mesh, monkeypatch):
-    """Off by default (Inductor's pass trained zoo models to wrong numbers on gloo)."""
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    """Three blocks of 4 parameters in a ModuleList, then a head outside every layer."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(d) for _ in range(3))
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).square().mean()
+
+
+@pytest.mark.parametrize("outline", ["1", "0"])
+def test_buckets_stay_inside_one_layer(fake_mesh, monkeypatch, outline):
+    """FSDP on dp=2, bucketing at its default: each layer's 4 parameters are gathered in one
+    bucket of their own (FSDP2's unit), never merged with another layer's or the head's, with
+    the layers outlined into one shared body and with every layer inline; likewise each
+    layer's 4 gradients are reduce-scattered in one bucket."""
+    from torch._inductor.utils import run_and_get_code
+
     monkeypatch.delenv("DYNAMO_DIST_BUCKET_MB", raising=False)
-    assert comm.bucket_cap_mb() == 0 and comm.inductor_config() == {}
-    ledger, fw, bw = _compile_fsdp_step(fake_mesh)
-    assert not any(ledger.buckets.values())
-    assert _issued(fw, "all_gather") == ledger.count("all_gather", phase="forward") == 6
+    monkeypatch.setenv("DYNAMO_DIST_OUTLINE", outline)
+    mesh = fake_mesh((2,), ("dp",))
+    torch.manual_seed(0)
+    model = Stack()
+    shard_module(model, mesh, DataParallelPlanner(mesh_axis_size=2).build_plan(model))
+    fn = torch.compile(model, backend="dist")
+    _, (fw, bw) = run_and_get_code(lambda: fn(torch.randn(8, 32)).backward())
+    record = compile_records()[-1]
+    ledger = record.ledger
+    assert ledger.count("all_gather", phase="forward") == 14  # 3 x 4 + the head's 2
+    assert ledger.count("reduce_scatter") == 14
+    # 3 layer buckets of 4 and the head's 2 in the forward; the same in the backward's scatters
+    assert sorted(ledger.buckets["reduce_scatter"]) == [2, 4, 4, 4]
+    assert ledger.issued("reduce_scatter") == 4
+    assert sorted(ledger.buckets["all_gather"]).count(4) >= 3  # forward (the backward regathers)
+    shared = [c for o in record.step.joint.outlined for layers, _ in o.bodies.values()
+              for c in layers]
+    assert bool(shared) == (outline == "1")
+    assert ledger.issued("all_gather") == 4  # this small model's backward keeps the gathers
+    # the generated code: each collective once, the shared body's bucket once for its calls
+    assert _issued(fw, "all_gather") == (4 if outline == "0" else 3)
+    assert _issued(bw, "reduce_scatter") == (4 if outline == "0" else 3)
+
+
+def test_zero_turns_bucketing_off(monkeypatch):
+    monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", "0")
+    assert comm.bucket_cap_mb() == 0
+    import torch.fx as fx
+
+    assert comm.inductor_config(fx.symbolic_trace(torch.nn.Linear(2, 2))) == {}
 
 
 def test_a_shared_all_reduce_input_gets_its_own_copy_when_bucketing(monkeypatch):
@@ -110,9 +165,9 @@ def test_a_shared_all_reduce_input_gets_its_own_copy_when_bucketing(monkeypatch)
         return [n.args[0] for n in gm.graph.nodes if collective_op(n) == "all_reduce"]
 
     gm = fx.symbolic_trace(f)
-    monkeypatch.delenv("DYNAMO_DIST_BUCKET_MB", raising=False)
+    monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", "0")
     assert comm.copy_shared_all_reduce_inputs(gm) == 0  # bucketing off: nothing to guard
-    monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", "25")
+    monkeypatch.delenv("DYNAMO_DIST_BUCKET_MB", raising=False)  # on by default
     assert comm.copy_shared_all_reduce_inputs(gm) == 1
     shared, alone = collective_inputs(gm)
     assert shared.target is torch.ops.aten.mul.Tensor and shared.args[1] == 1

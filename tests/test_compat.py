@@ -64,7 +64,7 @@ def test_metadata_patches_installed():
 
 
 def test_inductor_bucketing_and_partitioner_hooks():
-    """Inductor's FX bucketing switches (and their cap callables), its grouping functions, the
+    """Inductor's FX bucketing functions and its post-grad custom pass hook, the
     min-cut partitioner's signature and functorch's CSE switch: what inductor_passes.comm and
     compile_joint use."""
     import functools
@@ -72,14 +72,19 @@ def test_inductor_bucketing_and_partitioner_hooks():
     import torch.fx as fx
 
     cap = functools.partial(lambda mb, i: mb, 25.0)
-    entries = compat.bucketing_config(cap)
-    assert entries["bucket_all_gathers_fx"] == "all" and entries["bucket_reduce_scatters_fx"] == "all"
+    assert compat.can_bucket()
+    assert compat.find_buckets(fx.symbolic_trace(torch.nn.Linear(2, 2)), cap, lambda n: None) == {
+        "all_gather": [], "reduce_scatter": [], "all_reduce": []}
+    seen = []
+    entries = compat.post_grad_pass(seen.append, "u1")
     with compat.inductor_config_patch(entries):
         from torch._inductor import config
 
-        assert config.bucket_all_gathers_fx_bucket_size_determinator is cap
-    assert compat.predict_buckets(fx.symbolic_trace(torch.nn.Linear(2, 2)), cap) == {
-        "all_gather": [], "reduce_scatter": [], "all_reduce": []}
+        ours = config.post_grad_custom_post_pass
+        assert ours.uuid() == ("dynamo_dist", "u1", ())
+        graph = fx.symbolic_trace(torch.nn.Linear(2, 2)).graph
+        ours(graph)
+        assert seen == [graph]
     with compat.functorch_config_patch(cse=False):
         from torch._functorch import config as fconfig
 

@@ -54,8 +54,8 @@ def test_two_rank_dp_dynamic_batch_is_one_compile():
 
 
 def test_two_rank_fsdp_bucketed_collectives(monkeypatch):
-    """Parameters sharded over dp (ZeRO-3), compiled with Inductor, bucketing asked for (it is
-    off by default): the comm pass merges the forward's parameter all_gathers and the
+    """Parameters sharded over dp (ZeRO-3), compiled with Inductor, bucketing at its default
+    (25 MiB per bucket, per layer): the comm pass merges the forward's parameter all_gathers and the
     backward's gradient reduce_scatters into buckets. Values still match one process, and the
     collectives counted at run time are exactly the ledger's issued count (fewer than its
     entries)."""
@@ -80,7 +80,7 @@ def test_two_rank_convnet_parity_under_inductor():
 
 def test_two_rank_bucketed_syncbn_gradients(monkeypatch, tmp_path):
     """The zoo's ConvNet (two Conv + BatchNorm blocks) on dp=2 under Inductor with bucketing
-    asked for: a BatchNorm's sum of output gradients is all-reduced (SyncBN backward) and also
+    on: a BatchNorm's sum of output gradients is all-reduced (SyncBN backward) and also
     reduce-scattered as its bias gradient. Inductor computed it into the all_reduce bucket, which
     the in-place all_reduce_ then overwrote, so the bias gradient came out 2x (AdamW hides it in
     the loss). First-step gradients must match one process."""

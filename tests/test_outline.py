@@ -280,3 +280,42 @@ def test_constants_equal_as_numbers_but_not_as_values_keep_bodies_apart():
     done = outline.outline_repeats(gm)
     shared = sorted(sorted(k for _, k in layers) for layers, _ in done.bodies.values())
     assert shared == [[0, 2], [1, 3]], done
+
+
+def test_reducing_before_or_after_a_view_shares_one_body(fake_mesh):
+    """The planner, between equal costs, all-reduces some layers' partial sums before a view
+    and others' after it (a Llama's first and last layers under tp). ``reduce_before_views``
+    writes every such pair one way, so all four layers share one body, and the rewritten graph
+    computes what the original did."""
+    mesh = fake_mesh((2,), ("tp",))
+    group = mesh.get_group().group_name
+    funcol = torch.ops._c10d_functional
+
+    def f(x, *ws):
+        for k, w in enumerate(ws):
+            with _in_module(f"model.layers.{k}"):
+                y = torch.relu(x.reshape(16, D)) @ w  # a partial sum under tp
+            if k in (0, 3):  # reduced before the view
+                r = funcol.wait_tensor(funcol.all_reduce(y, "sum", group)).view(4, 4, D)
+            else:
+                r = funcol.wait_tensor(funcol.all_reduce(y.view(4, 4, D), "sum", group))
+            with _in_module(f"model.layers.{k}"):
+                x = x + torch.tanh(r) * 0.5 - r.mean(dim=-1, keepdim=True)
+        with _in_module("model.head"):
+            return (x.sum(),)
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(4, 4, D, generator=g)] + [torch.randn(D, D, generator=g) / D
+                                                   for _ in range(4)]
+    with fx_traceback.preserve_node_meta():
+        gm = compat.make_fx(f)(*args)
+    expected = gm(*args)
+    done = outline.outline_repeats(gm)
+    assert [len(layers) for layers, _ in done.bodies.values()] == [4]
+    views = [n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default
+             and n.args[0].target is torch.ops._c10d_functional.wait_tensor.default]
+    body = next(iter(_bodies(gm)))
+    views += [n for n in getattr(gm, body).graph.nodes if n.target is torch.ops.aten.view.default
+              and n.args[0].target is torch.ops._c10d_functional.wait_tensor.default]
+    assert views  # the view follows the reduction
+    assert torch.equal(gm(*args)[0], expected[0])

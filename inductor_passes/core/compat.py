@@ -422,27 +422,96 @@ def data_dependent_error(op) -> Exception:
 
 
 # -- Inductor's FX collective bucketing (torch._inductor.fx_passes.bucketing, 2.11 and 2.13) ---
-_BUCKET_KINDS = (  # config switch, its cap callable, the bucketing module's finder, our kind
-    ("bucket_all_gathers_fx", "bucket_all_gathers_fx_bucket_size_determinator",
-     "bucket_all_gather_by_mb", "all_gather"),
-    ("bucket_reduce_scatters_fx", "bucket_reduce_scatters_fx_bucket_size_determinator",
-     "bucket_reduce_scatter_by_mb", "reduce_scatter"),
-    ("bucket_all_reduces_fx", "bucket_all_reduces_fx_bucket_size_determinator",
-     "bucket_all_reduce_by_mb", "all_reduce"),
+# per kind: the bucketing module's test for the collective's node, its grouping key, its merge
+# (None: ``merge_all_reduce_bucket``, one bucket at a time). Inductor's own order: all_gather
+# last, since its merge introduces a mutation
+_BUCKETERS = (
+    ("reduce_scatter", "is_reduce_scatter_tensor", "_rs_group_key", "merge_reduce_scatter"),
+    ("all_reduce", "is_all_reduce_tensor", "_ar_group_key", None),
+    ("all_gather", "is_all_gather_into_tensor", "_ag_group_key", "merge_all_gather"),
 )
 
 
-def bucketing_config(cap_mb_by_bucket: Callable[[int], float]) -> dict:
-    """Inductor config entries that bucket every kind Inductor can, with this cap (MiB by
-    bucket index). Kinds this torch lacks are left out."""
-    from torch._inductor import config
+def _bucketing_module():
+    """torch's bucketing module when it has every function ``bucket_collectives`` uses, else
+    None."""
+    from torch._inductor.fx_passes import bucketing
 
+    names = ["greedy_bucket_collective_by_mb", "merge_all_reduce_bucket"]
+    for _, test, key, merge in _BUCKETERS:
+        names += [test, key] + ([merge] if merge else [])
+    return bucketing if all(hasattr(bucketing, n) for n in names) else None
+
+
+def can_bucket() -> bool:
+    """Whether this torch has the bucketing functions ``bucket_collectives`` uses."""
+    return _bucketing_module() is not None
+
+
+def find_buckets(gm: "torch.fx.GraphModule", cap_mb_by_bucket: Callable[[int], float],
+                 extra_key: Callable[["torch.fx.Node"], Any]
+                 ) -> dict[str, list[list["torch.fx.Node"]]]:
+    """Per kind, the buckets (collective nodes, two or more) of ``gm``: Inductor's greedy
+    grouping (runs, in graph order, of one group, reduce op and dtype, with no path between
+    members, up to the cap in MiB by bucket index), with ``extra_key(node)`` as one more part of
+    the group. Reads the graph, changes nothing; empty when this torch lacks the functions."""
+    bucketing = _bucketing_module()
+    if bucketing is None:
+        return {}
     out = {}
-    for switch, cap, _, _ in _BUCKET_KINDS:
-        if hasattr(config, switch) and hasattr(config, cap):
-            out[switch] = "all"
-            out[cap] = cap_mb_by_bucket
+    for kind, test, key, _ in _BUCKETERS:
+        base = getattr(bucketing, key)
+        out[kind] = bucketing.greedy_bucket_collective_by_mb(
+            gm, cap_mb_by_bucket, getattr(bucketing, test),
+            lambda n, base=base: (base(n), extra_key(n)))
     return out
+
+
+def bucket_collectives(gm: "torch.fx.GraphModule", cap_mb_by_bucket: Callable[[int], float],
+                       extra_key: Callable[["torch.fx.Node"], Any]) -> None:
+    """Merge the buckets ``find_buckets`` forms, kind by kind in Inductor's order, with
+    Inductor's own merge functions (one collective over a flat buffer per bucket)."""
+    bucketing = _bucketing_module()
+    for kind, _, _, merge in _BUCKETERS:
+        buckets = find_buckets(gm, cap_mb_by_bucket, extra_key).get(kind, [])
+        if not buckets:
+            continue
+        if merge is not None:
+            getattr(bucketing, merge)(gm, buckets)
+        else:
+            for bucket in buckets:
+                bucketing.merge_all_reduce_bucket(gm.graph, bucket)
+    # a merged collective sits where its first member was; users of a later member's inputs
+    # may come before it (Inductor's own bucketing sorts the same way after merging)
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    stable_topological_sort(gm.graph)
+    gm.graph.lint()
+
+
+def post_grad_pass(fn: Callable[["torch.fx.Graph"], None], uuid: Any) -> dict:
+    """Inductor config entries that run ``fn`` on every graph Inductor compiles (subgraph
+    bodies included) after its post-grad passes and before its own bucketing, as
+    ``post_grad_custom_post_pass``, after a user's pass there. ``uuid`` goes into the FX graph
+    cache key: it must change whenever ``fn`` would rewrite a graph differently."""
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    user = config.post_grad_custom_post_pass  # one pass, or (2.13) a list of them
+    users = tuple(user) if isinstance(user, (list, tuple)) else (user,) if user else ()
+
+    class _Pass(CustomGraphPass):
+        def __call__(self, graph):
+            for user in users:
+                user(graph)
+            fn(graph)
+
+        def uuid(self):
+            theirs = tuple(u.uuid() if isinstance(u, CustomGraphPass) else None for u in users)
+            # a user's pass without a uuid keeps Inductor's cache off, as it would alone
+            return None if None in theirs else ("dynamo_dist", uuid, theirs)
+
+    return {"post_grad_custom_post_pass": _Pass()}
 
 
 def functorch_config_patch(**entries) -> contextlib.AbstractContextManager:
@@ -489,20 +558,6 @@ def inductor_config_patch(entries: dict) -> contextlib.AbstractContextManager:
     from torch._inductor import config
 
     return config.patch(entries) if entries else contextlib.nullcontext()
-
-
-def predict_buckets(gm: "torch.fx.GraphModule", cap_mb_by_bucket: Callable[[int], float]
-                    ) -> dict[str, list[int]]:
-    """The buckets Inductor's pass would form in ``gm`` (its own grouping function, read only):
-    per kind, the number of collectives in each bucket of two or more."""
-    from torch._inductor.fx_passes import bucketing
-
-    out = {}
-    for _, _, finder, kind in _BUCKET_KINDS:
-        find = getattr(bucketing, finder, None)
-        if find is not None:
-            out[kind] = [len(b) for b in find(gm, cap_mb_by_bucket)]
-    return out
 
 
 def inline_nested_compile_regions(gm: "torch.fx.GraphModule") -> "torch.fx.GraphModule":
