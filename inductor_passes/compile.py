@@ -15,7 +15,7 @@ from inductor_passes.core import compat
 from inductor_passes.core import inductor_fix  # noqa: F401  (installs the fix on import)
 from inductor_passes.core.collectives import collective_kind
 
-from . import comm, memory, outline, schedule
+from . import comm, dedup, memory, outline, schedule
 
 # Part of Inductor's FX-graph cache key for our compiles: an artifact compiled before
 # ``inductor_fix.install_inductor_mutation_order_fix`` (a read scheduled ahead of an in-place draw)
@@ -165,6 +165,7 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
 
 def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: bool,
                    inductor: bool, check: Callable[[list[fx.GraphModule]], None]) -> CompiledJoint:
+    dedup.dedup_pure(local_gm)  # AOTAutograd's CSE, but for collectives (see dedup)
     if not has_backward:
         fw = _strip_grads(local_gm, num_fwd_outputs)
         check([fw])
