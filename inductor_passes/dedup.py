@@ -11,8 +11,8 @@ backward), its rotary tables, zero fills. ``dedup_pure`` merges those and leaves
 functional collective and its wait alone.
 
 A node is merged into an earlier one when both are the same functional ATen op (no mutation, no
-random draw, not an ``empty``: its contents are undefined), no reader of it writes in place, on
-the same arguments, compared exactly
+random draw, not an ``empty``: its contents are undefined), no reader of it writes in place and
+no op writes in place into its inputs, on the same arguments, compared exactly
 (Python scalars by type and repr: ``0.0`` is not ``-0.0``, ``1`` is not ``1.0``), its result is
 one tensor, and it does not share storage with a graph output (two outputs computed alike are
 still two tensors, as in eager mode). A merged node read by several layers loses its module
@@ -69,13 +69,15 @@ def _storage(node: fx.Node) -> StorageWeakRef | None:
         return None
 
 
-def _mergeable(node: fx.Node) -> bool:
+def _mergeable(node: fx.Node, written: set) -> bool:
     # a user that writes in place (a dropout's ``bernoulli_`` into an ``empty_like``) would
-    # write into the other reader's tensor too
+    # write into the other reader's tensor too; an input some op writes in place may hold
+    # other values at the two places
     return (movable(node) and node.target is not _WAIT and node.target not in _UNDEFINED
             and functional_collective_name(node) is None
             and isinstance(node.meta.get("val"), torch.Tensor)
-            and all(movable(u) for u in node.users))
+            and all(movable(u) for u in node.users)
+            and not any(_storage(a) in written for a in node.all_input_nodes))
 
 
 def dedup_pure(gm: fx.GraphModule) -> int:
@@ -83,11 +85,14 @@ def dedup_pure(gm: fx.GraphModule) -> int:
     many nodes were removed. Shapes are local; raises nothing (a node it cannot key stays)."""
     out = next(iter(gm.graph.find_nodes(op="output")))
     returned = {s for s in map(_storage, out.all_input_nodes) if s is not None}
+    # storages an in-place or otherwise effectful op touches (any of its inputs, views alike)
+    written = {_storage(a) for n in gm.graph.nodes if n.op == "call_function" and not movable(n)
+               for a in n.all_input_nodes} - {None}
     seen: dict[Any, fx.Node] = {}
     merged: set[fx.Node] = set()
     removed = 0
     for node in list(gm.graph.nodes):
-        if not _mergeable(node) or _storage(node) in returned:
+        if not _mergeable(node, written) or _storage(node) in returned:
             continue
         try:
             key = (node.target, _key(node.args), _key(node.kwargs))

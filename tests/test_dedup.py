@@ -112,3 +112,24 @@ def test_llama_saves_one_mask_and_shares_every_forward_layer(fake_mesh):
     assert len(masks) == 1
     forward_body = joint.outlined[0].bodies
     assert [len(layers) for layers, _ in forward_body.values()] == [3]
+
+
+def test_reads_of_a_tensor_written_in_place_are_not_merged():
+    """``b * 2`` before and after ``b.add_(1)`` are two values, also where the graph reads ``b``
+    itself after the write (as hand-built graphs do), not the in-place op's result."""
+    def f(x):
+        b = x.clone()
+        y1 = b * 2
+        b.add_(1)
+        y2 = b * 2
+        return y1 + 0, y2 + 0
+
+    x = torch.randn(3)
+    gm = compat.make_fx(f)(x)
+    add_ = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.add_.Tensor)
+    late = next(u for u in add_.users if u.target is torch.ops.aten.mul.Tensor)
+    late.args = (add_.args[0], *late.args[1:])  # read the clone itself after the write
+    gm.recompile()
+    dedup.dedup_pure(gm)
+    y1, y2 = gm(x)
+    assert torch.equal(y1, x * 2) and torch.equal(y2, (x + 1) * 2)
