@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from inductor_passes.core.collectives import functional_collective_name
 
@@ -59,12 +58,14 @@ def _key(a: Any) -> Any:
     raise _Unkeyable(type(a).__name__)
 
 
-def _storage(node: fx.Node) -> StorageWeakRef | None:
+def _storage(node: fx.Node) -> int | None:
+    """The identity of the storage under a node's tensor (views share it; the same key as
+    ``memory``), or None."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return None
     try:
-        return StorageWeakRef(val.untyped_storage())
+        return val.untyped_storage()._cdata
     except (NotImplementedError, RuntimeError):
         return None
 
