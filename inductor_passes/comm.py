@@ -85,6 +85,13 @@ def _cap(mb: float, bucket_index: int) -> float:
     return mb
 
 
+def _cap_fn():
+    """Our cap as Inductor's grouping takes it (MiB by bucket index), or None when bucketing is
+    off."""
+    mb = bucket_cap_mb()
+    return functools.partial(_cap, mb) if mb > 0 else None
+
+
 def _layer(node: fx.Node) -> Any:
     return node.meta.get(LAYER_META)
 
@@ -118,25 +125,23 @@ def _fingerprint(gm: fx.GraphModule) -> str:
 def inductor_config(gm: fx.GraphModule) -> dict:
     """Inductor config entries that bucket ``gm``'s collectives (and its bodies') layer by
     layer with our cap; empty when bucketing is off."""
-    mb = bucket_cap_mb()
-    if mb <= 0:
+    cap = _cap_fn()
+    if cap is None:
         return {}
-    cap = functools.partial(_cap, mb)
 
     def bucket(graph) -> None:
         compat.bucket_collectives(graph.owning_module, cap, _layer)
 
-    return compat.post_grad_pass(bucket, ("layer-buckets-1", mb, _fingerprint(gm)))
+    return compat.post_grad_pass(bucket, ("layer-buckets-1", cap.args[0], _fingerprint(gm)))
 
 
 def predicted_buckets(gm: fx.GraphModule) -> dict[str, list[int]]:
     """Per collective kind, the sizes (number of collectives merged) of the buckets Inductor
     will issue per call of ``gm``, the graph handed to it (a body's buckets once per call):
     what the ledger reports as issued. Reads the graph, changes nothing."""
-    mb = bucket_cap_mb()
-    if mb <= 0:
+    cap = _cap_fn()
+    if cap is None:
         return {}
-    cap = functools.partial(_cap, mb)
     out: dict[str, list[int]] = {}
     for graph, times in [(gm, 1), *((getattr(gm, b), n) for b, n in _bodies(gm).items())]:
         for kind, buckets in compat.find_buckets(graph, cap, _layer).items():
@@ -155,7 +160,7 @@ def copy_shared_all_reduce_inputs(gm: fx.GraphModule) -> int:
     removes it as a no-op before bucketing."""
     import torch
 
-    if bucket_cap_mb() <= 0:
+    if _cap_fn() is None:
         return 0
     count = 0
     for node in list(gm.graph.nodes):

@@ -458,13 +458,15 @@ def find_buckets(gm: "torch.fx.GraphModule", cap_mb_by_bucket: Callable[[int], f
     bucketing = _bucketing_module()
     if bucketing is None:
         return {}
-    out = {}
-    for kind, test, key, _ in _BUCKETERS:
-        base = getattr(bucketing, key)
-        out[kind] = bucketing.greedy_bucket_collective_by_mb(
-            gm, cap_mb_by_bucket, getattr(bucketing, test),
-            lambda n, base=base: (base(n), extra_key(n)))
-    return out
+    return {kind: _find(bucketing, gm, cap_mb_by_bucket, test, key, extra_key)
+            for kind, test, key, _ in _BUCKETERS}
+
+
+def _find(bucketing, gm, cap_mb_by_bucket, test: str, key: str, extra_key) -> list:
+    """One kind's buckets (see ``find_buckets``)."""
+    base = getattr(bucketing, key)
+    return bucketing.greedy_bucket_collective_by_mb(
+        gm, cap_mb_by_bucket, getattr(bucketing, test), lambda n: (base(n), extra_key(n)))
 
 
 def bucket_collectives(gm: "torch.fx.GraphModule", cap_mb_by_bucket: Callable[[int], float],
@@ -472,8 +474,9 @@ def bucket_collectives(gm: "torch.fx.GraphModule", cap_mb_by_bucket: Callable[[i
     """Merge the buckets ``find_buckets`` forms, kind by kind in Inductor's order, with
     Inductor's own merge functions (one collective over a flat buffer per bucket)."""
     bucketing = _bucketing_module()
-    for kind, _, _, merge in _BUCKETERS:
-        buckets = find_buckets(gm, cap_mb_by_bucket, extra_key).get(kind, [])
+    for _, test, key, merge in _BUCKETERS:
+        # found again after each kind's merge: the graph changed
+        buckets = _find(bucketing, gm, cap_mb_by_bucket, test, key, extra_key)
         if not buckets:
             continue
         if merge is not None:
