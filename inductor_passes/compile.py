@@ -16,6 +16,7 @@ from inductor_passes.core import inductor_fix  # noqa: F401  (installs the fix o
 from inductor_passes.core.collectives import collective_kind
 
 from . import comm, dedup, memory, outline, schedule
+from .align_saves import align_saves
 
 # Part of Inductor's FX-graph cache key for our compiles: an artifact compiled before
 # ``inductor_fix.install_inductor_mutation_order_fix`` (a read scheduled ahead of an in-place draw)
@@ -166,6 +167,10 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
 def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: bool,
                    inductor: bool, check: Callable[[list[fx.GraphModule]], None]) -> CompiledJoint:
     dedup.dedup_pure(local_gm)  # AOTAutograd's CSE, but for collectives (see dedup)
+    if inductor:  # as torch.compile rewrites a joint (or inference) graph before partitioning:
+        compat.joint_graph_passes(local_gm)  # a loss's scatter fused: llama_dp_tp peak -2 MiB
+        if outline.enabled():  # one form for the planner's all_reduce/view tie, before the
+            outline.reduce_before_views(local_gm)  # partitioner compares layers (align_saves)
     if not has_backward:
         fw = _strip_grads(local_gm, num_fwd_outputs)
         check([fw])
@@ -177,6 +182,9 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
                              _issued(counts, buckets), outlined=outlined, predicted_peak=peak)
     _tag_forward(local_gm, num_fwd_outputs)
     fw_gm, bw_gm = _partitioner()(local_gm, None, num_fwd_outputs=num_fwd_outputs)
+    if inductor and outline.enabled() and align_saves(local_gm, fw_gm, num_fwd_outputs):
+        # a layer saved other values than its copies: again, with their saves (see align_saves)
+        fw_gm, bw_gm = _partitioner()(local_gm, None, num_fwd_outputs=num_fwd_outputs)
     for gm in (fw_gm, bw_gm):  # the partitioner leaves a dead copy of a forced-save collective's input
         gm.graph.eliminate_dead_code()
         gm.recompile()

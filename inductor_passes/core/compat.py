@@ -517,6 +517,31 @@ def post_grad_pass(fn: Callable[["torch.fx.Graph"], None], uuid: Any) -> dict:
     return {"post_grad_custom_post_pass": _Pass()}
 
 
+def joint_graph_passes(gm: "torch.fx.GraphModule") -> None:
+    """Inductor's joint-graph passes on ``gm`` in place: what Inductor's own partition step runs
+    before the min-cut partitioner (canonicalisation, no-op removal, uniform-constant folding,
+    its pattern rewrites: a scatter into a constant becomes a pointwise select that fuses), so
+    a program partitioned here is rewritten as torch.compile's would be. Random draws are left
+    as they are (``fallback_random``): the planner made every draw whole on each rank, in
+    ATen's stream, for one-device numerics."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor import config
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes as run
+
+    # a rewrite traces its replacement: its factories (an iota) must make fakes of this graph
+    mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")])
+    with config.patch(fallback_random=True), mode or contextlib.nullcontext():
+        run(gm)
+
+
+def mark_must_save(node: "torch.fx.Node") -> None:
+    """Tag a joint-graph node so the min-cut partitioner saves it for the backward rather than
+    recompute it (the tag activation checkpointing's policies set)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
 def functorch_config_patch(**entries) -> contextlib.AbstractContextManager:
     from torch._functorch import config
 
