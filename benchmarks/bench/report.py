@@ -144,7 +144,8 @@ def to_markdown(results: dict) -> str:
     if recompiled:
         lines.append(f"\nWARNING: recompiled under the counting mode: {', '.join(recompiled)}")
 
-    lines += ["", "### Memory (MiB per rank) and agreement with eager_1p", "",
+    lines += ["", "### Memory (MiB per rank; the median of each rank's probe steps) and agreement "
+              "with eager_1p", "",
               "| contestant | peak rank 0 | peak max over ranks | resident rank 0 | eval loss "
               "rel. diff | max step-loss rel. diff | max param rel. diff |",
               "|---|---:|---:|---:|---:|---:|---:|"]

@@ -13,7 +13,11 @@ batches, and their weights stay comparable with eager_1p's):
                    the order rotated by one each step; a barrier before every step; wall time per
                    rank (seconds, ``time.perf_counter``).
   4. collectives   one step per contestant under CollectiveRecorder (see comm).
-  5. memory        one step per contestant under the memory probe (see memory).
+  5. memory        ``MEMORY_REPEATS`` steps per contestant under the memory probe (see memory),
+                   interleaved; the median step's peak is reported, with every step's. On gloo the
+                   peak moves by up to ~3 MiB between steps of the same program: gloo frees its
+                   all_gather staging buffer on its own thread, sometimes only after a later
+                   collective.
   6. numerics      a forward on a fixed evaluation batch (the global loss) and the full
                    parameters, compared on rank 0 with eager_1p's.
   7. profile       optional: torch.profiler over a few steps of the named contestants.
@@ -38,6 +42,8 @@ from . import contestants as C
 from .comm import CollectiveRecorder, ledger_summary
 from .machine import load_average, machine_info
 from .memory import step_peak
+
+MEMORY_REPEATS = 5  # probe steps per contestant: the median is reported (see phase 5)
 from .stats import summarize
 from .workload import Workload
 
@@ -225,16 +231,24 @@ class Runner:
         self.step_index += 1
 
     def memory(self) -> None:
-        for c in self.cs:
-            dist.barrier()
+        runs: dict[str, list[dict]] = {c.name: [] for c in self.cs}
+        for _ in range(MEMORY_REPEATS):
+            for c in self.cs:
+                dist.barrier()
 
-            def call(c=c):
-                return step_peak(lambda: c.step(self.batch(self.step_index)), self.device,
-                                 c.resident_bytes())
-            res = self.guarded(c, "memory step", call)
-            if res is not None:
-                self.mine[c.name]["memory"] = res
-        self.step_index += 1
+                def call(c=c):
+                    return step_peak(lambda: c.step(self.batch(self.step_index)), self.device,
+                                     c.resident_bytes())
+                res = self.guarded(c, "memory step", call)
+                if res is not None:
+                    runs[c.name].append(res)
+            self.step_index += 1
+        for name, found in runs.items():
+            if found:
+                found.sort(key=lambda r: r["peak_bytes"])
+                median = dict(found[len(found) // 2])
+                median["peak_bytes_per_step"] = [r["peak_bytes"] for r in found]
+                self.mine[name]["memory"] = median
 
     def numerics(self) -> dict:
         """rank 0: name -> eval loss and parameter differences against eager_1p."""
