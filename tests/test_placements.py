@@ -16,6 +16,17 @@ def test_fmt_parse_roundtrip(pls):
     assert parse(fmt(tuple(pls))) == tuple(pls)
 
 
+def test_fmt_of_placements_made_while_dynamo_traces():
+    """``pin_placements`` encodes the user's placements while Dynamo traces: placements made in
+    the traced code keep their short form (torch 2.11's Dynamo answered False to
+    ``type(p) is Replicate`` there, and the backend refused '[S(0),Replicate()]')."""
+    def encode(x):
+        return x + 1, fmt((Shard(0), Replicate(), Partial("max")))
+
+    assert torch.compile(encode, backend="eager", fullgraph=True)(torch.ones(2))[1] == \
+        "[S(0),R,P(max)]"
+
+
 def test_valid_for_rejects_nested_and_out_of_range():
     assert valid_for((8, 6), (Shard(0), Shard(1)), (2, 3))
     assert valid_for((8, 6), (Shard(1),), (4,))                # uneven: pieces 2, 2, 2, 0

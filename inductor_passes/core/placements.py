@@ -228,6 +228,14 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def _exactly(p: Placement, cls: type) -> bool:
+    """``type(p) is cls``, also where Dynamo traces it: torch 2.11's Dynamo answers False for a
+    placement made inside the traced code (``pin_placements`` encodes the user's placements
+    while Dynamo traces), so its class is compared by name, a subclass (MaskPartial) still not
+    matching."""
+    return type(p) is cls or (isinstance(p, cls) and type(p).__name__ == cls.__name__)
+
+
 def fmt(placements: Placements | None) -> str:
     """Short form: 'S(0)', 'SS(1,3)' (_StridedShard(1, split_factor=3)), 'R', 'P(sum)', joined
     by ',' per mesh axis."""
@@ -235,11 +243,11 @@ def fmt(placements: Placements | None) -> str:
         return "-"
     parts = []
     for p in placements:
-        if type(p) is Shard:
+        if _exactly(p, Shard):
             parts.append(f"S({p.dim})")
-        elif type(p) is StridedShard:
+        elif _exactly(p, StridedShard):
             parts.append(f"SS({p.dim},{p.split_factor})")
-        elif type(p) is Replicate:
+        elif _exactly(p, Replicate):
             parts.append("R")
         elif isinstance(p, Partial):
             parts.append(f"P({p.reduce_op})")
