@@ -41,6 +41,7 @@ import logging
 import os
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from inductor_passes.core import compat
@@ -59,7 +60,8 @@ log = logging.getLogger("dynamo_dist.comm")
 
 def bucket_cap_mb() -> float:
     """Largest bucket, in MiB (``DYNAMO_DIST_BUCKET_MB``, default 25; 0 or less: no bucketing).
-    0 as well when this torch lacks the bucketing functions (logged once).
+    0 as well on a torch older than ``compat.BUCKETING_FROM`` or lacking the bucketing
+    functions (logged once).
 
     Raises ValueError naming the variable when it is not a number."""
     text = os.environ.get("DYNAMO_DIST_BUCKET_MB", "")
@@ -77,8 +79,9 @@ def bucket_cap_mb() -> float:
 
 @functools.lru_cache(maxsize=None)
 def _warn_no_bucketing_once() -> None:
-    log.warning("dynamo_dist: this torch lacks Inductor's collective bucketing functions; "
-                "every collective is issued on its own (one latency each)")
+    log.warning("dynamo_dist: torch %s: collective bucketing is off (Inductor's bucketing "
+                "functions are used from torch %s on); every collective is issued on its own "
+                "(one latency each)", torch.__version__, compat.BUCKETING_FROM)
 
 
 def _cap(mb: float, bucket_index: int) -> float:
