@@ -231,8 +231,8 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 def _exactly(p: Placement, cls: type) -> bool:
     """``type(p) is cls``, also where Dynamo traces it: torch 2.11's Dynamo answers False for a
     placement made inside the traced code (``pin_placements`` encodes the user's placements
-    while Dynamo traces), so its class is compared by name, a subclass (MaskPartial) still not
-    matching."""
+    while Dynamo traces), so its class is compared by name: a subclass (``_StridedShard`` of
+    ``Shard``) still does not match."""
     return type(p) is cls or (isinstance(p, cls) and type(p).__name__ == cls.__name__)
 
 
