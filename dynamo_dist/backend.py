@@ -390,7 +390,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: P
         with clock.inner("schedule check"):
             check_same_schedule(graphs, f"graph of {_code_name(gm)}")
 
-    joint = compile_joint(local_gm, program.num_fwd_outputs, has_bwd, inductor, check)
+    joint = compile_joint(local_gm, program.num_fwd_outputs, has_bwd, inductor, check,
+                          resident=[k for k, i in enumerate(program.primal_inputs) if i.parameter])
     if sizes is not None:
         sizes.add_guards()
     clock.stop("inductor")

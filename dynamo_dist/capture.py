@@ -71,6 +71,7 @@ class InputInfo:
     placements: tuple[Placement, ...] | None = None
     stride: tuple[int, ...] | None = None  # GLOBAL strides as the tensor arrived (DTensor: its own)
     local_stride: tuple[int, ...] | None = None  # a DTensor's local tensor's strides, this rank
+    parameter: bool = False  # an nn.Parameter: resident for the whole step, free to save
 
     def origin(self) -> roles.InputOrigin:
         """What the planner knows of this tensor input (a DTensor's gathers cost memory)."""
@@ -111,13 +112,15 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
         if isinstance(x, DTensor):
             infos.append(InputInfo(i, name, ArgKind.DTENSOR, _sizes(x.shape), x.dtype,
                                    x.requires_grad, x.device_mesh, tuple(x.placements),
-                                   _sizes(x.stride()), _sizes(x.to_local().stride())))
+                                   _sizes(x.stride()), _sizes(x.to_local().stride()),
+                                   isinstance(x, torch.nn.Parameter)))
         elif isinstance(x, torch.Tensor):
             # a plain tensor is a global value; ``spmd.mark_sharding`` may have given it a
             # placement eagerly (each rank then receives its own piece)
             mesh, pls = input_annotation(x) or (None, None)
             infos.append(InputInfo(i, name, ArgKind.TENSOR, _sizes(x.shape), x.dtype,
-                                   x.requires_grad, mesh, pls, _sizes(x.stride())))
+                                   x.requires_grad, mesh, pls, _sizes(x.stride()),
+                                   parameter=isinstance(x, torch.nn.Parameter)))
         elif isinstance(x, torch.SymInt) and _sizes_of_tensors(x, example_inputs):
             # a symbolic size (dynamic shapes): the program reads it off its tensor inputs
             infos.append(InputInfo(i, name, ArgKind.SIZE))

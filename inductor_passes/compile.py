@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -149,9 +150,13 @@ def _restrided(inputs: list, strides: list | None) -> list:
 
 def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: bool,
                   inductor: bool = True,
-                  before_inductor: Callable[[list[fx.GraphModule]], None] | None = None
-                  ) -> CompiledJoint:
+                  before_inductor: Callable[[list[fx.GraphModule]], None] | None = None,
+                  resident: Sequence[int] = ()) -> CompiledJoint:
     """Partition ``local_gm`` (AOTAutograd joint convention) and compile both halves.
+
+    ``resident``: indices k of the primals (``primals_{k+1}``) that live through the whole step
+    (parameters): the partitioner saves them for free, as AOTAutograd's static-lifetime inputs,
+    instead of saving something computed from them.
 
     ``before_inductor(graphs)`` sees the partitioned graphs before Inductor compiles them: a
     fresh compile rewrites them in place (reinplacing, bucketing) and a cache hit does not, so
@@ -161,11 +166,12 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
     mode = compat.foreign_fake_mode(_example_inputs(local_gm))
     with compat.tracing_in(mode):
         return _compile_joint(local_gm, num_fwd_outputs, has_backward, inductor,
-                              before_inductor or (lambda graphs: None))
+                              before_inductor or (lambda graphs: None), resident)
 
 
 def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: bool,
-                   inductor: bool, check: Callable[[list[fx.GraphModule]], None]) -> CompiledJoint:
+                   inductor: bool, check: Callable[[list[fx.GraphModule]], None],
+                   resident: Sequence[int]) -> CompiledJoint:
     dedup.dedup_pure(local_gm)  # AOTAutograd's CSE, but for collectives (see dedup)
     if inductor:  # as torch.compile rewrites a joint (or inference) graph before partitioning:
         compat.joint_graph_passes(local_gm)  # a loss's scatter fused: llama_dp_tp peak -2 MiB
@@ -181,10 +187,12 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
         return CompiledJoint(forward, None, num_fwd_outputs, 0, fw, None, buckets,
                              _issued(counts, buckets), outlined=outlined, predicted_peak=peak)
     _tag_forward(local_gm, num_fwd_outputs)
-    fw_gm, bw_gm = _partitioner()(local_gm, None, num_fwd_outputs=num_fwd_outputs)
+    partition = functools.partial(_partitioner(), local_gm, None, num_fwd_outputs=num_fwd_outputs,
+                                  static=_static_inputs(local_gm, resident))
+    fw_gm, bw_gm = partition()
     if inductor and outline.enabled() and align_saves(local_gm, fw_gm, num_fwd_outputs):
         # a layer saved other values than its copies: again, with their saves (see align_saves)
-        fw_gm, bw_gm = _partitioner()(local_gm, None, num_fwd_outputs=num_fwd_outputs)
+        fw_gm, bw_gm = partition()
     for gm in (fw_gm, bw_gm):  # the partitioner leaves a dead copy of a forced-save collective's input
         gm.graph.eliminate_dead_code()
         gm.recompile()
@@ -258,17 +266,25 @@ def _partitioner() -> Callable:
     if name == "min_cut":
         return _min_cut
     if name == "default":
-        return compat.default_partition
+        return lambda gm, inputs, *, num_fwd_outputs, static: compat.default_partition(
+            gm, inputs, num_fwd_outputs=num_fwd_outputs)  # it saves every input anyway
     raise ValueError(f"DYNAMO_DIST_PARTITIONER={name!r}: fix: use 'min_cut' or 'default'")
 
 
-def _min_cut(gm: fx.GraphModule, inputs, *, num_fwd_outputs: int):
+def _static_inputs(gm: fx.GraphModule, resident: Sequence[int]) -> list[int]:
+    """Positions, among ``gm``'s placeholders, of the primals numbered in ``resident``: the
+    local program takes the primals first, in order (``lowering.local_joint``)."""
+    n = len(gm.graph.find_nodes(op="placeholder"))
+    return [k for k in resident if k < n]
+
+
+def _min_cut(gm: fx.GraphModule, inputs, *, num_fwd_outputs: int, static: list[int]):
     # without its CSE: CSE merges a ZeRO-3 backward re-gather with the forward gather of the same
     # shard, keeping every gathered parameter alive from forward to backward; whether to
     # re-gather is the plan's choice (priced with the parameter's memory), not the partitioner's
     with compat.functorch_config_patch(cse=False):
-        return compat.min_cut_rematerialization_partition(gm, inputs,
-                                                           num_fwd_outputs=num_fwd_outputs)
+        return compat.min_cut_rematerialization_partition(
+            gm, inputs, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
 
 
 def _tag_forward(gm: fx.GraphModule, num_fwd_outputs: int) -> None:

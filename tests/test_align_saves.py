@@ -86,7 +86,8 @@ def test_llama_backward_layers_share_one_body(fake_mesh, monkeypatch):
     """Unaligned, the partitioner saves the first layer's attention output and recomputes its
     residual sum (the other layers save the sum), so its backward is compiled apart; aligned,
     all three backward layers call one body. The loss's cross-entropy gradient is a select,
-    not a scatter into zeros (Inductor's joint-graph rewrite), so it fuses."""
+    not a scatter into zeros (Inductor's joint-graph rewrite), so it fuses; the backward's
+    re-gathers read the parameters themselves, not copies saved by the forward."""
     mesh = fake_mesh((2, 2), ("dp", "tp"))
     joint = _llama(mesh, monkeypatch, aligned=False)
     assert [len(layers) for layers, _ in joint.outlined[1].bodies.values()] == [2]
@@ -94,6 +95,20 @@ def test_llama_backward_layers_share_one_body(fake_mesh, monkeypatch):
     assert [len(layers) for layers, _ in joint.outlined[0].bodies.values()] == [3]
     assert [len(layers) for layers, _ in joint.outlined[1].bodies.values()] == [3]
     assert not any(n.target is torch.ops.aten.scatter.value for n in joint.bw_graph.graph.nodes)
+    # parameters are resident: the forward saves none of them transposed or copied (each layer
+    # saved five such copies of its ZeRO-3 shards for the backward's re-gathers)
+    graph = joint.fw_graph.graph
+    of_params = {p for p in graph.find_nodes(op="placeholder")
+                 if p.meta["val"].is_floating_point()}  # the weights; the ids are integers
+    for n in graph.nodes:  # values computed from parameters alone (a gather is a new value)
+        if n.op == "call_function" and n.all_input_nodes and \
+                getattr(n.target, "namespace", None) != "_c10d_functional" and \
+                all(a in of_params for a in n.all_input_nodes):
+            of_params.add(n)
+    out = next(iter(graph.find_nodes(op="output"))).args[0]
+    copies = [n.name for n in out[joint.num_fwd_outputs:]
+              if isinstance(n, torch.fx.Node) and n.op == "call_function" and n in of_params]
+    assert not copies, copies
 
 
 def test_a_users_joint_graph_pass_runs(fake_mesh):
