@@ -94,6 +94,7 @@ def test_inductor_bucketing_and_partitioner_hooks():
 
     params = inspect.signature(compat.min_cut_rematerialization_partition).parameters
     assert "num_fwd_outputs" in params and params["num_fwd_outputs"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "static_lifetime_input_indices" in params  # compile_joint's resident parameters
 
 
 def _norm_then_dropout_mask(x, w):
