@@ -36,21 +36,10 @@ def align_saves(joint: fx.GraphModule, fw: fx.GraphModule, num_fwd_outputs: int)
     then keeps its partition)."""
     out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
     saved = {a.name for a in out[num_fwd_outputs:] if isinstance(a, fx.Node)}
-    members: dict[tuple[str, int], list[fx.Node]] = {}
-    for node, key in outline.assign_layers(joint).items():
-        if node.meta.get("partitioner_tag") == "is_forward":
-            members.setdefault(key, []).append(node)
-    order = {n: k for k, n in enumerate(joint.graph.nodes)}
-    groups: dict[object, list[list[fx.Node]]] = {}
-    for key, nodes in members.items():
-        nodes.sort(key=order.__getitem__)
-        try:
-            sig, _ = outline.layer_signature(nodes)
-        except outline.Unsupported:
-            continue
-        groups.setdefault((key[0], sig), []).append(nodes)
+    groups = outline.instances(joint, lambda n: n.meta.get("partitioner_tag") == "is_forward")
     marked = 0
-    for layers in groups.values():
+    for group in groups.values():
+        layers = [inst.nodes for inst in group]
         patterns = [tuple(n.name in saved for n in nodes) for nodes in layers]
         counts = collections.Counter(patterns)
         if len(counts) < 2:

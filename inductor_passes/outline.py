@@ -15,7 +15,7 @@ its module path (``model.layers.3.self_attn.q_proj`` -> family ``model.layers``,
 Lowering's collectives and the partitioner's copies with no module join the one layer their
 neighbours all belong to. Two instances share a body only when their nodes are the same ops
 with the same constants, wired the same way, on inputs of the same shapes, strides, dtypes and
-devices (``layer_signature``: compared whole, never by hash alone): sharing is then exact, since
+devices (``_signature``: compared whole, never by hash alone): sharing is then exact, since
 Inductor compiles the body for those input layouts and constrains every call's inputs to them.
 
 Before matching, an all_reduce of a view is rewritten as the view of the all_reduce
@@ -38,7 +38,7 @@ import logging
 import operator
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -84,7 +84,7 @@ class Outlined:
         return sum(len(layers) for layers, _ in self.bodies.values())
 
 
-class Unsupported(Exception):
+class _Unsupported(Exception):
     """An instance that cannot be outlined (the reason is the message)."""
 
 
@@ -135,24 +135,24 @@ def assign_layers(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, int]]:
 
 def _sig(value: Any) -> Any:
     """A value's signature: a tensor's shape, strides, dtype and device; constants as they are.
-    Raises Unsupported for a symbolic size or an object of another type."""
+    Raises _Unsupported for a symbolic size or an object of another type."""
     if isinstance(value, torch.Tensor):
         if any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())):
-            raise Unsupported("symbolic size")
+            raise _Unsupported("symbolic size")
         return ("T", tuple(value.shape), tuple(value.stride()), value.dtype, value.device.type)
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_sig(v) for v in value))
     if isinstance(value, torch.SymInt):
-        raise Unsupported("symbolic size")
+        raise _Unsupported("symbolic size")
     if isinstance(value, _CONSTANTS):
         return (type(value).__name__, value)
-    raise Unsupported(f"value of type {type(value).__name__}")
+    raise _Unsupported(f"value of type {type(value).__name__}")
 
 
-def layer_signature(nodes: list[fx.Node]) -> tuple[Any, list[fx.Node]]:
+def _signature(nodes: list[fx.Node]) -> tuple[Any, list[fx.Node]]:
     """(signature, external inputs in first-use order) of one instance. Two instances with
     equal signatures compute the same function of their external inputs, which have the same
-    layouts. Raises Unsupported."""
+    layouts. Raises _Unsupported."""
     index = {n: k for k, n in enumerate(nodes)}
     external: dict[fx.Node, int] = {}
 
@@ -161,7 +161,7 @@ def layer_signature(nodes: list[fx.Node]) -> tuple[Any, list[fx.Node]]:
             if a in index:
                 return ("node", index[a])
             if a.op not in ("placeholder", "call_function", "get_attr"):
-                raise Unsupported(f"input {a.op}")
+                raise _Unsupported(f"input {a.op}")
             return ("input", external.setdefault(a, len(external)))
         if isinstance(a, (list, tuple)):
             return (type(a).__name__, tuple(canon(x) for x in a))
@@ -173,18 +173,18 @@ def layer_signature(nodes: list[fx.Node]) -> tuple[Any, list[fx.Node]]:
             return ("float", repr(a))
         if isinstance(a, _CONSTANTS):
             return (type(a).__name__, a)
-        raise Unsupported(f"argument of type {type(a).__name__}")
+        raise _Unsupported(f"argument of type {type(a).__name__}")
 
     body = []
     for n in nodes:
         if any(u not in index for u in n.users) and not isinstance(n.meta.get("val"),
                                                                      torch.Tensor):
-            raise Unsupported(f"{n.name} is used outside and is not one tensor")
+            raise _Unsupported(f"{n.name} is used outside and is not one tensor")
         if not movable(n):
-            raise Unsupported(f"{n.target} (random, mutating or not an ATen op)")
+            raise _Unsupported(f"{n.target} (random, mutating or not an ATen op)")
         body.append((n.target, canon(n.args), canon(n.kwargs), _sig(n.meta.get("val"))))
     if not all(isinstance(x.meta.get("val"), torch.Tensor) for x in external):
-        raise Unsupported("an input is not one tensor")
+        raise _Unsupported("an input is not one tensor")
     inputs = tuple(_sig(x.meta.get("val")) for x in external)
     return (tuple(body), inputs), list(external)
 
@@ -196,11 +196,14 @@ class _Instance:
     inputs: list[fx.Node]
 
 
-def _instances(gm: fx.GraphModule) -> dict[Any, list[_Instance]]:
-    """Instances grouped by (family, signature), in graph order; groups of one dropped."""
+def instances(gm: fx.GraphModule, include: Callable[[fx.Node], bool] = lambda n: True
+              ) -> dict[Any, list[_Instance]]:
+    """Instances grouped by (family, signature), in graph order; groups of one dropped. Only
+    the nodes ``include`` accepts make up an instance (``align_saves``: the forward part)."""
     members: dict[tuple[str, int], list[fx.Node]] = {}
     for node, key in assign_layers(gm).items():
-        members.setdefault(key, []).append(node)
+        if include(node):
+            members.setdefault(key, []).append(node)
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     groups: dict[Any, list[_Instance]] = {}
     for key, nodes in members.items():
@@ -208,8 +211,8 @@ def _instances(gm: fx.GraphModule) -> dict[Any, list[_Instance]]:
             continue
         nodes.sort(key=order.__getitem__)
         try:
-            sig, inputs = layer_signature(nodes)
-        except Unsupported as why:
+            sig, inputs = _signature(nodes)
+        except _Unsupported as why:
             log.debug("dynamo_dist: layer %s.%d not outlined: %s", key[0], key[1], why)
             continue
         groups.setdefault((key[0], sig), []).append(_Instance(key, nodes, inputs))
@@ -218,7 +221,7 @@ def _instances(gm: fx.GraphModule) -> dict[Any, list[_Instance]]:
 
 def _later_users(nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
     """Nodes between an instance's first and last node (``nodes``, in graph order) that use its
-    results (transitively), in graph order: they move after the call. Raises Unsupported when
+    results (transitively), in graph order: they move after the call. Raises _Unsupported when
     a path leaves the instance and comes back, or an effectful node lies in between."""
     members = set(nodes)
     first, last = order[nodes[0]], order[nodes[-1]]
@@ -231,11 +234,11 @@ def _later_users(nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Nod
         later.add(node)
         for user in node.users:
             if user in members:
-                raise Unsupported("a path leaves it and comes back")
+                raise _Unsupported("a path leaves it and comes back")
             todo.append(user)
     between = [n for n in nodes[0].graph.nodes if first < order[n] < last and n not in members]
     if any(not movable(n) for n in between):
-        raise Unsupported("an effectful node lies between its nodes")
+        raise _Unsupported("an effectful node lies between its nodes")
     return [n for n in between if n in later]
 
 
@@ -329,7 +332,7 @@ def outline_repeats(gm: fx.GraphModule) -> Outlined:
     if not enabled():
         return done
     reduce_before_views(gm)
-    for k, ((family, sig), group) in enumerate(_instances(gm).items()):
+    for k, ((family, sig), group) in enumerate(instances(gm).items()):
         users = [{j for j, n in enumerate(i.nodes) if any(u not in set(i.nodes) for u in n.users)}
                  for i in group]
         outputs = sorted(set().union(*users))
@@ -338,16 +341,16 @@ def outline_repeats(gm: fx.GraphModule) -> Outlined:
         for inst in group:
             try:
                 # read again: an earlier group's calls replaced some of these inputs
-                again, inst.inputs = layer_signature(inst.nodes)
+                again, inst.inputs = _signature(inst.nodes)
                 if again != sig:
-                    raise Unsupported("changed by an earlier rewrite")
+                    raise _Unsupported("changed by an earlier rewrite")
                 if attr is None:
                     gm.add_submodule(name, _body(inst, outputs))
                     placed = next(n for n in gm.graph.nodes if n.op != "placeholder")
                     with gm.graph.inserting_before(placed):
                         attr = gm.graph.get_attr(name)
                 _replace(gm, inst, attr, name, outputs)
-            except Unsupported as why:
+            except _Unsupported as why:
                 log.debug("dynamo_dist: layer %s.%d not outlined: %s", *inst.key, why)
                 continue
             called.append(inst.key)

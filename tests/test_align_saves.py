@@ -11,10 +11,11 @@ from inductor_passes import align_saves as align
 
 
 def _layered(n_layers: int, saved: dict[int, set[int]]):
-    """A joint graph of ``n_layers`` copies of x -> a = x + 1 -> b = a * 2 -> c = b.sin(), each
-    node in module ``layers.<k>`` and tagged forward, and a forward graph whose saved outputs
-    are, per layer k, the nodes at positions ``saved[k]`` (0 = a, 1 = b, 2 = c). Returns (joint,
-    forward, each layer's nodes)."""
+    """A joint graph of ``n_layers`` copies of x -> a = x + 1 -> b = a * 2 -> c = b.sin() -> five
+    cos (a layer as big as outlining takes: ``outline.MIN_NODES``), each node in module
+    ``layers.<k>`` and tagged forward, and a forward graph whose saved outputs are, per layer k,
+    the nodes at positions ``saved[k]`` (0 = a, 1 = b, 2 = c). Returns (joint, forward, each
+    layer's nodes)."""
     g = fx.Graph()
     x = g.placeholder("x")
     x.meta["val"] = torch.randn(4)
@@ -22,7 +23,8 @@ def _layered(n_layers: int, saved: dict[int, set[int]]):
     for k in range(n_layers):
         nodes = []
         for target, arg in ((torch.ops.aten.add.Tensor, 1), (torch.ops.aten.mul.Tensor, 2),
-                            (torch.ops.aten.sin.default, None)):
+                            (torch.ops.aten.sin.default, None),
+                            *[(torch.ops.aten.cos.default, None)] * 5):
             node = g.call_function(target, (cur,) if arg is None else (cur, arg))
             node.meta.update(val=torch.randn(4), partitioner_tag="is_forward",
                              nn_module_stack={f"m{k}": (f"layers.{k}", object)})
