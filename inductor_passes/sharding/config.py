@@ -42,7 +42,8 @@ class PlannerConfig:
     ``axis_max_vars``: cap of the per-axis ILPs (separable start and descent): 330k variables at
     32 layers of Llama-3-8B on 8 x 8 solve in a few seconds each; below this cap the planner
     fell back to its greedy walk there (31.1 GiB on the wire per step against 24.6 GiB).
-    ``descent_rounds``: rounds of per-axis block coordinate descent on an N-D mesh.
+    ``descent_rounds``: rounds of per-axis block coordinate descent on an N-D mesh (an axis
+    whose fixed axes did not change since it was last solved is skipped: it cannot improve).
     ``max_options``: OpSpecs kept per node (cheapest first) in an ILP.
     ``repeat_rounds``: rounds of colour refinement that find the nodes of repeated layers
     (``repeats.repeat_classes``); each class shares one set of ILP choice variables, so the
