@@ -132,6 +132,9 @@ class DistStep:
         self.calls = 0  # how often this graph ran (a recompiled program leaves old ones idle)
         self._grad_specs: dict = {}  # (input, global shape, local strides, dtype) -> DTensorSpec
         self._same_mesh: dict[int, tuple[Any, bool]] = {}  # id -> (mesh, equals self.mesh)
+        # per tensor input: the spec key (``compat.dtensor_spec_key``) of the last DTensor that
+        # went in as it is, checked (global shape, placements, mesh); None: none yet
+        self._taken_as_is: list[Any] = [None] * len(tensor_infos)
         self.attributes = tuple(attributes)
 
     def __call__(self, *args):
@@ -140,19 +143,29 @@ class DistStep:
         if contract.enabled():
             contract.check_same_values(self._global_inputs(args), self.mesh)
         local, strides = [], []
-        for (info, want), want_stride, check in zip(self._tensor_inputs, self._input_strides,
-                                                   self._global_checks):
+        for i, ((info, want), want_stride, check) in enumerate(zip(
+                self._tensor_inputs, self._input_strides, self._global_checks)):
             x = args[info.index]
             if isinstance(want_stride, _Symbolic):
                 want_stride = want_stride.dense_strides(
                     x._local_tensor.shape if isinstance(x, DTensor) else x.shape)
             strides.append(want_stride)
             if isinstance(x, DTensor):
+                seen, last = compat.dtensor_spec_key(x), self._taken_as_is[i]
+                if last is not None and seen[0] is last[0] and seen[1] == last[1]:
+                    local.append(x)  # this spec passed the checks below on an earlier call
+                    continue
                 if check:
                     _check_global_shape(x, info, check, self.mesh)
-                if tuple(x.placements) != tuple(want):
+                moved = tuple(x.placements) != tuple(want)
+                if moved:
                     x = x.redistribute(self.mesh, want)
                 if self._direct(x):
+                    if not moved:
+                        # a parameter keeps its spec from step to step: the checks above run
+                        # once, not per call (147 parameters of a 16-layer Llama: 0.5 ms a
+                        # step, as long as a small model's GPU step takes to launch)
+                        self._taken_as_is[i] = seen
                     local.append(x)
                     continue
                 x = x.to_local()

@@ -317,3 +317,18 @@ def test_numbers_specialised_from_the_first_compile_with_options():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300)
     assert "OK 8.0 15.0" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def test_a_dtensor_spec_key_changes_when_its_spec_is_edited(fake_mesh):
+    """``dtensor_spec_key`` (the runtime's once-per-spec check) relies on DTensorSpec caching its
+    hash and dropping it when a hashed field is assigned: an edited spec gets a new key."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = fake_mesh((2,), ("tp",))
+    x = distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)])
+    spec, h = compat.dtensor_spec_key(x)
+    assert compat.dtensor_spec_key(x) == (spec, h) and spec is x._spec
+    meta = spec.tensor_meta
+    spec.tensor_meta = compat.TensorMeta(shape=torch.Size((6, 6)), stride=meta.stride,
+                                         dtype=meta.dtype)
+    assert compat.dtensor_spec_key(x)[1] != h

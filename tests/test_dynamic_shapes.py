@@ -236,6 +236,31 @@ def test_uneven_dtensor_batch_never_runs_a_program_compiled_for_another(fake_mes
     assert "fix:" in str(err.value) and len(compile_records()) == 1
 
 
+def test_the_global_shape_check_runs_once_per_dtensor_spec(fake_mesh, monkeypatch):
+    """A parameter keeps its DTensor (and spec) from step to step, so the runtime checks its
+    global shape, placements and mesh once, not per call; any other DTensor, such as a new
+    batch, is checked on every call it brings a new spec, and the uneven batch is still
+    refused after the cached calls."""
+    import dynamo_dist.runtime as runtime
+
+    checked = []
+    real = runtime._check_global_shape
+    monkeypatch.setattr(runtime, "_check_global_shape",
+                        lambda x, info, *a: (checked.append(info.name), real(x, info, *a)))
+    mesh = fake_mesh((2,), ("dp",), rank=1)
+    wd = distribute_tensor(torch.randn(8, 8), mesh, [Replicate()])
+    compiled = torch.compile(lambda x, w: torch.softmax(x @ w, dim=-1).sum(1).mean(),
+                             backend="dist", dynamic=False, options={"inductor": False})
+    x = distribute_tensor(torch.randn(4, 3, 8), mesh, [Shard(0)])
+    for _ in range(3):
+        compiled(x, wd)
+    assert len(checked) == 2, checked  # x and w, each once
+    compiled(distribute_tensor(torch.randn(4, 3, 8), mesh, [Shard(0)]), wd)
+    assert len(checked) == 3  # the new batch's spec only
+    with pytest.raises(Exception, match=r"global shape \(5, 3, 8\).*compiled for"):
+        compiled(distribute_tensor(torch.randn(5, 3, 8), mesh, [Shard(0)]), wd)
+
+
 def test_redistribute_through_an_uneven_nested_split_of_a_symbolic_size(fake_mesh):
     """Found by the sweep at 120 examples: x of (2*s0, 2*s1) moved from [S(0),S(1)] to
     [S(1),S(0)] on a 2x2 mesh passes through a dim split by both axes, 6 = 3 + 3 then 3 = 2 + 1

@@ -76,6 +76,15 @@ def dtensor_of_local(local: torch.Tensor, spec: DTensorSpec) -> Any:
     return DTensor(local, spec, requires_grad=False)
 
 
+def dtensor_spec_key(x: Any) -> tuple[Any, int]:
+    """What identifies a DTensor's spec (mesh, placements, global shape, strides, dtype) without
+    reading it: the spec object and its hash, which DTensorSpec caches and recomputes on any
+    such field's assignment (``DTensorSpec.__setattr__``; 2.11, 2.13). Two keys name the same,
+    unchanged spec when their objects are one (``is``) and their hashes are equal."""
+    spec = x._spec
+    return spec, hash(spec)
+
+
 def release_saved_tensors(ctx: Any) -> None:
     """Drop an autograd.Function's references to its saved tensors inside its backward, unless
     the graph is kept (``retain_graph``): what AOTAutograd's backward does before calling its
