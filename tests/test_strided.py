@@ -551,3 +551,30 @@ def test_cost_walk_through_a_strided_state_lowering_never_holds():
     ValueError from the planner (nn.functional.multi_head_attention_forward crashed on 2x2)."""
     cost = redistribute_cost((4, 8), torch.float32, (S0, S1), (S1, SS(0, 2)), (2, 2))
     assert cost > redistribute_cost((4, 8), torch.float32, (S0, S1), (S1, S0), (2, 2)) * 0.5
+
+
+@pytest.mark.parametrize("rank", range(4))
+@pytest.mark.parametrize("pls", [(R, SS(1, 3)), (SS(0, 2), R), (SS(1, 2), SS(0, 3))],
+                         ids=["R,SS(1,3)", "SS(0,2),R", "SS(1,2),SS(0,3)"])
+def test_a_strided_parameter_is_cut_as_dtensor_cuts_it(fake_mesh, rank, pls):
+    """``shard_module`` cuts a ``_StridedShard`` parameter with lowering's own slicing (torch
+    2.11's DTensor cannot redistribute to (Shard(0), _StridedShard(1, k))): each rank's piece is
+    the definition's (the simulator's ``shard_global``) and, where DTensor can make it (2.13),
+    the one DTensor's redistribute gives; the DTensor declares the global shape."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from dynamo_dist.plans.apply import _strided_parameter
+
+    mesh = fake_mesh((2, 2), ("dp", "tp"), rank=rank)
+    value = torch.arange(12 * 12, dtype=torch.float32).reshape(12, 12)
+    got = _strided_parameter(value, mesh, pls)
+    assert got.placements == pls and got.shape == value.shape
+    assert got.to_local().is_contiguous()
+    want = shard_global(value, pls, tuple(mesh.get_coordinate()), (2, 2))
+    assert torch.equal(got.to_local(), want), (rank, fmt(pls))
+    try:
+        theirs = distribute_tensor(value, mesh, [R, R]).redistribute(mesh, pls)
+    except ValueError:  # torch 2.11: "unable to be interpreted into a corresponding shard_order"
+        assert torch.__version__ < "2.13"
+        return
+    assert torch.equal(got.to_local(), theirs.to_local()), (rank, fmt(pls))

@@ -19,6 +19,7 @@ from .. import patches
 from inductor_passes.core import compat, mesh_facts
 from inductor_passes.core.errors import DistCompileError, describe_mesh
 from inductor_passes.core.placements import is_strided
+from inductor_passes.redistribute import mesh_axes, redistribute
 
 from ..annotations import pin_placements, validate_placements
 from .spec import ShardingPlan, to_placements
@@ -149,11 +150,7 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
                                        fix="shard each module once")
             dt = param.redistribute(mesh, placements)
         elif any(is_strided(p) for p in placements):
-            # _StridedShard: replicate from rank 0, then every rank slices its blocks locally
-            # (torch 2.13's scatter path for it, under LocalTensorMode, gives every simulated
-            # rank rank 0's piece: a silently wrong parameter)
-            plain = [Replicate() if is_strided(p) else p for p in placements]
-            dt = distribute_tensor(param.detach(), mesh, plain).redistribute(mesh, placements)
+            dt = _strided_parameter(param.detach(), mesh, tuple(placements))
         else:
             dt = distribute_tensor(param.detach(), mesh, list(placements))
         new = nn.Parameter(dt, requires_grad=param.requires_grad)
@@ -167,6 +164,30 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
     mesh_facts.add_data_axes(mesh, plan.data_axes)
     model._dynamo_dist_plan = plan  # read by tools (explain); not used by the compiler
     return model
+
+
+def _strided_parameter(value: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
+    """``value`` (a whole parameter, GLOBAL shape) as a DTensor in ``placements``, some of them
+    ``_StridedShard``: the other axes are distributed from rank 0 as usual (not DTensor's
+    scatter for a strided one: under LocalTensorMode, torch 2.13, it gives every simulated rank
+    rank 0's piece), then each rank cuts its strided pieces locally with lowering's own slicing
+    (``redistribute``: Replicate -> _StridedShard moves no data), the layout the compiled
+    program reads. Not DTensor's redistribute: torch 2.11's cannot express (Shard(0),
+    _StridedShard(1, k)) as a shard order (ValueError; GPT-2's and Mixtral's fused projections
+    on dp x tp). Under LocalTensorMode (simulated ranks: one coordinate cannot serve them all)
+    DTensor's redistribute does the cut, as before."""
+    plain = [Replicate() if is_strided(p) else p for p in placements]
+    whole = distribute_tensor(value, mesh, plain)
+    if compat.local_tensor_mode_active():
+        return whole.redistribute(mesh, placements)
+
+    def no_collective(kind: str, *_: Any) -> None:
+        raise AssertionError(f"cutting a parameter to {placements} issued a {kind}")
+
+    local = redistribute(whole.to_local(), tuple(plain), placements, mesh_axes(mesh),
+                         no_collective, tuple(value.shape))
+    return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
 
 
 def _constrained_forward(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan):

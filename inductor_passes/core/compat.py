@@ -309,6 +309,15 @@ def disable_local_tensor_mode() -> contextlib.AbstractContextManager:
     return maybe_disable_local_tensor_mode()
 
 
+def local_tensor_mode_active() -> bool:
+    """Whether an enabled LocalTensorMode (simulated ranks in one process) is on (2.11, 2.13)."""
+    try:
+        from torch.distributed._local_tensor import enabled_local_tensor_mode
+    except ImportError:
+        return False
+    return enabled_local_tensor_mode() is not None
+
+
 def allow_implicit_replication(enabled: bool = True) -> None:
     """Let DTensor treat plain tensors mixed with DTensors as Replicate.
 
