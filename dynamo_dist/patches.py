@@ -41,6 +41,39 @@ def install() -> None:
     install_whole_step()
     install_symbolic_plain_tensor_wrapping()
     install_dynamo_tracing_fallback()
+    install_strided_redistribute_fallback()
+
+
+def install_strided_redistribute_fallback() -> bool:
+    """torch before 2.13 only, and in eager code too: a redistribute from or to a
+    ``_StridedShard`` whose split factor is no product of mesh sizes (the blocks of a fused
+    projection: GPT-2's q|k|v in 3, Mixtral's gate|up in 2) raised ValueError ("unable to be
+    interpreted into a corresponding shard_order"): torch 2.11 reads every _StridedShard as
+    FSDP's shard-order encoding when it plans a redistribute
+    (``DTensorRedistributePlanner.generate_graph_based_transform_infos``). torch 2.13 catches
+    that case and plans the redistribute greedily, as a strided split
+    (``_gen_transform_infos_non_cached``); this does the same on 2.11. Without it 2.11 failed
+    GPT-2 and Mixtral on dp x tp while Dynamo traced them (every input replicated by the
+    tracing fallback above) and in ``full_tensor()`` of their parameters. Returns whether it
+    is installed."""
+    planner = compat.redistribute_planner_class()
+    if planner is None or torch.torch_version.TorchVersion(torch.__version__) >= "2.13":
+        return False
+    original = planner.generate_graph_based_transform_infos
+    if getattr(original, "_dynamo_dist", False):
+        return True
+
+    def graph_based(self, src_spec, dst_spec, full_tensor_shape):
+        try:
+            return original(self, src_spec, dst_spec, full_tensor_shape)
+        except ValueError as exc:
+            if "shard_order" not in str(exc):
+                raise
+            return self.generate_greedy_transform_infos(src_spec, dst_spec)
+
+    graph_based._dynamo_dist = True
+    planner.generate_graph_based_transform_infos = graph_based
+    return True
 
 
 def _dist_tracing() -> bool:
@@ -311,12 +344,12 @@ def _strided_gather_while_tracing() -> None:
         return
 
     def to_replicate(self, local_tensor, mesh, mesh_dim, current_logical_shape):
-        n, k, dim = mesh.size(mesh_dim), self._split_factor_int(), self.dim
+        n, k, dim = mesh.size(mesh_dim), int(self.split_factor), self.dim
         size = current_logical_shape[dim]
         if not _dist_tracing() or not isinstance(size, int) or size % (k * n):
             return original(self, local_tensor, mesh, mesh_dim, current_logical_shape)
-        out = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=dim,
-                                       group=(mesh, mesh_dim))
+        out = funcol.all_gather_tensor(local_tensor.contiguous(), gather_dim=dim,
+                                       group=(mesh, mesh_dim))  # (2.11 and 2.13)
         if isinstance(out, funcol.AsyncCollectiveTensor):
             out = out.wait()
         return out.unflatten(dim, (n, k, size // (k * n))).transpose(dim, dim + 1) \

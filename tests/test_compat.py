@@ -332,3 +332,19 @@ def test_a_dtensor_spec_key_changes_when_its_spec_is_edited(fake_mesh):
     spec.tensor_meta = compat.TensorMeta(shape=torch.Size((6, 6)), stride=meta.stride,
                                          dtype=meta.dtype)
     assert compat.dtensor_spec_key(x)[1] != h
+
+
+def test_strided_redistribute_fallback_only_before_2_13(fake_mesh):
+    """torch 2.11 reads every _StridedShard as a shard-order encoding and refused to plan a
+    redistribute to (Shard(0), _StridedShard(1, 3)); the fallback (torch 2.13's own behaviour)
+    is installed there and nowhere else, and the redistribute then runs."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from dynamo_dist import patches
+
+    installed = patches.install_strided_redistribute_fallback()
+    assert installed == (torch.torch_version.TorchVersion(torch.__version__) < "2.13")
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    x = distribute_tensor(torch.randn(8, 12), mesh, [Replicate(), Replicate()])
+    y = x.redistribute(mesh, (Shard(0), compat.StridedShard(1, split_factor=3)))
+    assert tuple(y.to_local().shape) == (4, 6)

@@ -559,9 +559,11 @@ def test_cost_walk_through_a_strided_state_lowering_never_holds():
 def test_a_strided_parameter_is_cut_as_dtensor_cuts_it(fake_mesh, rank, pls):
     """``shard_module`` cuts a ``_StridedShard`` parameter with lowering's own slicing (torch
     2.11's DTensor cannot redistribute to (Shard(0), _StridedShard(1, k))): each rank's piece is
-    the definition's (the simulator's ``shard_global``) and, where DTensor can make it (2.13),
-    the one DTensor's redistribute gives; the DTensor declares the global shape."""
+    the definition's (the simulator's ``shard_global``) and the one DTensor's redistribute
+    gives; the DTensor declares the global shape."""
     from torch.distributed.tensor import distribute_tensor
+
+    import dynamo_dist.backend  # noqa: F401  (installs the patches)
 
     from dynamo_dist.plans.apply import _strided_parameter
 
@@ -572,9 +574,7 @@ def test_a_strided_parameter_is_cut_as_dtensor_cuts_it(fake_mesh, rank, pls):
     assert got.to_local().is_contiguous()
     want = shard_global(value, pls, tuple(mesh.get_coordinate()), (2, 2))
     assert torch.equal(got.to_local(), want), (rank, fmt(pls))
-    try:
-        theirs = distribute_tensor(value, mesh, [R, R]).redistribute(mesh, pls)
-    except ValueError:  # torch 2.11: "unable to be interpreted into a corresponding shard_order"
-        assert torch.__version__ < "2.13"
-        return
+    # (torch 2.11's own redistribute to these needs ``patches.install_strided_redistribute_
+    # fallback``, installed with the backend)
+    theirs = distribute_tensor(value, mesh, [R, R]).redistribute(mesh, pls)
     assert torch.equal(got.to_local(), theirs.to_local()), (rank, fmt(pls))

@@ -67,6 +67,17 @@ def sharding_propagator():
     return DTensor._op_dispatcher.sharding_propagator
 
 
+def redistribute_planner_class() -> Any:
+    """DTensor's redistribute planner class (``_redistribute.DTensorRedistributePlanner``, with
+    ``generate_graph_based_transform_infos`` and ``generate_greedy_transform_infos``; 2.11,
+    2.13), or None."""
+    from torch.distributed.tensor import _redistribute
+
+    cls = getattr(_redistribute, "DTensorRedistributePlanner", None)
+    names = ("generate_graph_based_transform_infos", "generate_greedy_transform_infos")
+    return cls if cls is not None and all(hasattr(cls, n) for n in names) else None
+
+
 def dtensor_of_local(local: torch.Tensor, spec: DTensorSpec) -> Any:
     """A DTensor over ``local`` with ``spec`` as it is (no autograd node, no check): what
     ``DTensor.from_local`` builds, without its autograd Function and spec construction, for
