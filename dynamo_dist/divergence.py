@@ -40,6 +40,8 @@ def collective_schedule(graphs: Iterable[fx.GraphModule]) -> list[dict]:
                 continue
             consts = [_group_shape(a) if isinstance(a, str) and _is_group(a) else a
                       for a in node.args[1:] if isinstance(a, (str, int, float))]
+            members = next((_group_ranks(a) for a in node.args[1:]
+                            if isinstance(a, str) and _is_group(a)), None)
             first = node.args[0] if node.args else None
             val = first.meta.get("val", first.meta.get("example_value")) \
                 if isinstance(first, fx.Node) else None
@@ -48,7 +50,7 @@ def collective_schedule(graphs: Iterable[fx.GraphModule]) -> list[dict]:
                       for v in vals if isinstance(v, torch.Tensor)]
             dtype = next((str(v.dtype) for v in vals if isinstance(v, torch.Tensor)), None)
             out.append({"kind": kind, "args": consts, "shapes": shapes, "dtype": dtype,
-                        "at": user_source(node) or ""})
+                        "group": members, "at": user_source(node) or ""})
     return out
 
 
@@ -60,15 +62,40 @@ def _is_group(name: str) -> bool:
         return False
 
 
+def _group_ranks(name: str) -> list[int]:
+    return sorted(dist.get_process_group_ranks(compat.resolve_process_group(name)))
+
+
 def _group_shape(name: str) -> str:
     """A process group as the same string on every rank of the same mesh axis: ranks (0, 2) and
     (1, 3) are one axis's two groups, with different names but the same shape (size, strides)."""
-    ranks = sorted(dist.get_process_group_ranks(compat.resolve_process_group(name)))
+    ranks = _group_ranks(name)
     return f"group(size={len(ranks)}, strides={[b - a for a, b in zip(ranks, ranks[1:])]})"
 
 
 def _key(entry: dict) -> str:
-    return json.dumps({k: v for k, v in entry.items() if k != "at"}, sort_keys=True)
+    """What every rank must agree on: the collective, its group's shape, reduce op, dtype.
+    Local shapes are compared within each group only (``_shape_clash``): a dim split unevenly
+    on another mesh axis gives the groups of this one pieces of different sizes (tp=2 over 15
+    columns: the dp group of ranks 0, 2 gathers [2, 8], that of ranks 1, 3 gathers [2, 7])."""
+    return json.dumps({k: v for k, v in entry.items() if k not in ("at", "shapes", "group")},
+                      sort_keys=True)
+
+
+def _shape_clash(scheds: dict[int, list[dict]]) -> tuple[int, list[int]] | None:
+    """The first collective (index) at which two ranks of one group hold tensors of different
+    local shapes, and that group's ranks; None if there is none. Entries without a group
+    (none recorded) are compared across all ranks."""
+    for i in range(min(len(s) for s in scheds.values())):
+        by_group: dict[str, set[str]] = {}
+        for s in scheds.values():
+            e = s[i]
+            by_group.setdefault(json.dumps(e.get("group")), set()).add(json.dumps(e["shapes"]))
+        for group, shapes in by_group.items():
+            if len(shapes) > 1:
+                ranks = json.loads(group)
+                return i, ranks if ranks is not None else sorted(scheds)
+    return None
 
 
 def check_same_schedule(graphs: Iterable[fx.GraphModule], what: str) -> None:
@@ -106,22 +133,33 @@ def check_same_schedule(graphs: Iterable[fx.GraphModule], what: str) -> None:
                 "DYNAMO_DIST_SCHEDULE_TIMEOUT sets the wait") from exc
     others = {r: json.loads(store.get(k)) for r, k in enumerate(keys)}
     if len({o["digest"] for o in others.values()}) == 1:
-        return
-    raise DistCompileError(_describe(others, rank), source=_first_source(others),
+        clash = _shape_clash({r: o["schedule"] for r, o in others.items()})
+        if clash is None:
+            return
+        index, ranks = clash
+        raise DistCompileError(_describe({r: others[r] for r in ranks}, index),
+                               source=_first_source(others),
+                               fix="a collective's ranks must hold pieces of one size: report "
+                                   "this (the lowering pads uneven pieces of the dims it "
+                                   "splits)")
+    raise DistCompileError(_describe(others), source=_first_source(others),
                            fix="issue the same collectives on every rank: move "
                                "rank-dependent Python control flow (if dist.get_rank() == 0: "
                                "...) off collectives, or make the branch a tensor computation")
 
 
-def _describe(reports: dict[int, dict], me: int) -> str:
+def _describe(reports: dict[int, dict], index: int | None = None) -> str:
+    """The first difference between ``reports``' schedules (or the one at ``index``)."""
     scheds = {r: o["schedule"] for r, o in reports.items()}
     longest = max(len(s) for s in scheds.values())
-    for i in range(longest):
+    i = index
+    for i in range(longest) if index is None else ():
         here = {r: (_key(s[i]) if i < len(s) else None) for r, s in scheds.items()}
         if len(set(here.values())) > 1:
             break
+    what = next(iter(reports.values()))["what"]
     lines = [f"rank divergence: ranks would run different collective schedules for graph "
-             f"#{agreement.current_graph()} ({reports[me]['what']}); first difference at "
+             f"#{agreement.current_graph()} ({what}); first difference at "
              f"collective #{i}:"]
     for r, s in sorted(scheds.items()):
         entry = s[i] if i < len(s) else None

@@ -130,7 +130,15 @@ def install_dynamo_tracing_fallback() -> None:
         if op_schema.is_inplace_op() or op_schema.is_out_variant_op():
             # the written tensor keeps its own placement (its local fake can't change shape)
             try:
-                return original(op_schema)
+                own = original(op_schema)
+                if op_schema.is_inplace_op() and _moves_self(own, op_schema):
+                    # DTensor's dispatch would refuse it ("in-place operations that require
+                    # placement changes"; torch 2.11 on T5's ``ids[..., 0] = start`` over a
+                    # batch split on dp): read on replicated fakes instead, as below
+                    return _inplace_keeping_placements(
+                        prop, op_schema, replicated,
+                        RuntimeError(f"{op_schema.op} would move its input"))
+                return own
             except NotImplementedError as exc:
                 if _all_replicated(op_schema):  # all replicated: metadata from fakes
                     return OutputSharding(_replicated_output_specs(prop, op_schema))
@@ -459,6 +467,14 @@ def _inplace_keeping_placements(prop, op_schema, replicated, exc):
     result.redistribute_schema = rep
     result.needs_redistribute = True
     return result
+
+
+def _moves_self(result, op_schema) -> bool:
+    """Whether DTensor's propagation of an in-place op gives its output other placements than
+    its input's (DTensor then refuses the op at dispatch)."""
+    out, self_spec = result.output_spec, op_schema.args_schema[0]
+    return isinstance(out, DTensorSpec) and isinstance(self_spec, DTensorSpec) and \
+        tuple(out.placements) != tuple(self_spec.placements)
 
 
 def _flat_specs(op_schema) -> tuple:
