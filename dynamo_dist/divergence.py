@@ -152,11 +152,12 @@ def _describe(reports: dict[int, dict], index: int | None = None) -> str:
     """The first difference between ``reports``' schedules (or the one at ``index``)."""
     scheds = {r: o["schedule"] for r, o in reports.items()}
     longest = max(len(s) for s in scheds.values())
-    i = index
-    for i in range(longest) if index is None else ():
-        here = {r: (_key(s[i]) if i < len(s) else None) for r, s in scheds.items()}
-        if len(set(here.values())) > 1:
-            break
+
+    def differs(i: int) -> bool:
+        return len({_key(s[i]) if i < len(s) else None for s in scheds.values()}) > 1
+
+    i = index if index is not None else \
+        next((k for k in range(longest) if differs(k)), longest - 1)
     what = next(iter(reports.values()))["what"]
     lines = [f"rank divergence: ranks would run different collective schedules for graph "
              f"#{agreement.current_graph()} ({what}); first difference at "

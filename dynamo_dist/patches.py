@@ -132,9 +132,8 @@ def install_dynamo_tracing_fallback() -> None:
             try:
                 own = original(op_schema)
                 if op_schema.is_inplace_op() and _moves_self(own, op_schema):
-                    # DTensor's dispatch would refuse it ("in-place operations that require
-                    # placement changes"; torch 2.11 on T5's ``ids[..., 0] = start`` over a
-                    # batch split on dp): read on replicated fakes instead, as below
+                    # it cannot run in place (torch 2.11 refused T5's ``ids[..., 0] = start``
+                    # over a batch split on dp at dispatch): read on replicated fakes, as below
                     return _inplace_keeping_placements(
                         prop, op_schema, replicated,
                         RuntimeError(f"{op_schema.op} would move its input"))
@@ -470,11 +469,14 @@ def _inplace_keeping_placements(prop, op_schema, replicated, exc):
 
 
 def _moves_self(result, op_schema) -> bool:
-    """Whether DTensor's propagation of an in-place op gives its output other placements than
-    its input's (DTensor then refuses the op at dispatch)."""
+    """Whether DTensor's propagation of an in-place op moves its input to another kind of
+    placement on some mesh axis (Shard -> Replicate: data would have to move, which an in-place
+    op cannot do; torch 2.11 refuses it at dispatch, 2.13 relabels the input without moving
+    it). A Shard whose dim is only renumbered (``squeeze_``, ``transpose_``) is DTensor's own
+    business (2.13 re-indexes the spec)."""
     out, self_spec = result.output_spec, op_schema.args_schema[0]
     return isinstance(out, DTensorSpec) and isinstance(self_spec, DTensorSpec) and \
-        tuple(out.placements) != tuple(self_spec.placements)
+        any(type(a) is not type(b) for a, b in zip(out.placements, self_spec.placements))
 
 
 def _flat_specs(op_schema) -> tuple:

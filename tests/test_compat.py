@@ -348,3 +348,26 @@ def test_strided_redistribute_fallback_only_before_2_13(fake_mesh):
     x = distribute_tensor(torch.randn(8, 12), mesh, [Replicate(), Replicate()])
     y = x.redistribute(mesh, (Shard(0), compat.StridedShard(1, split_factor=3)))
     assert tuple(y.to_local().shape) == (4, 6)
+
+
+def test_an_in_place_op_that_would_move_its_input_is_read_on_replicated_fakes(fake_mesh):
+    """``ids[..., 0] = start`` on a DTensor split on dp (T5's shift right): DTensor's
+    propagation of the in-place fill moves the input to Replicate, which torch 2.11 refuses at
+    dispatch and 2.13 would relabel without moving data; the tracing fallback reads it on
+    replicated fakes instead (``_moves_self``). A Shard whose dim is only renumbered is left to
+    DTensor."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from dynamo_dist.patches import _moves_self
+
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    meta = compat.TensorMeta(torch.Size([4, 16]), (16, 1), torch.int64)
+    split = compat.DTensorSpec(mesh, (Shard(0), Replicate()), tensor_meta=meta)
+    schema = compat.OpSchema(torch.ops.aten.fill_.Scalar, (split, 0), {})
+
+    def out(*pls):
+        return compat.OutputSharding(compat.DTensorSpec(mesh, pls, tensor_meta=meta))
+
+    assert _moves_self(out(Replicate(), Replicate()), schema)
+    assert not _moves_self(out(Shard(0), Replicate()), schema)
+    assert not _moves_self(out(Shard(1), Replicate()), schema)  # renumbered: DTensor's own
