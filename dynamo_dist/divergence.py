@@ -31,17 +31,18 @@ from . import agreement
 
 def collective_schedule(graphs: Iterable[fx.GraphModule]) -> list[dict]:
     """The collectives of ``graphs``, in order: kind, arguments that are not tensors (reduce op,
-    group name, ...), and the LOCAL shape and dtype of the first tensor argument."""
+    group shape, ...), the LOCAL shape and dtype of the first tensor argument, and the ranks of
+    the collective's group."""
     out = []
     for gm in graphs:
         for node in gm.graph.nodes:
             kind = functional_collective_name(node)
             if kind is None:
                 continue
-            consts = [_group_shape(a) if isinstance(a, str) and _is_group(a) else a
-                      for a in node.args[1:] if isinstance(a, (str, int, float))]
-            members = next((_group_ranks(a) for a in node.args[1:]
-                            if isinstance(a, str) and _is_group(a)), None)
+            args = [a for a in node.args[1:] if isinstance(a, (str, int, float))]
+            ranks = {a: _group_ranks(a) for a in args if isinstance(a, str) and _is_group(a)}
+            consts = [_group_shape(ranks[a]) if a in ranks else a for a in args]
+            members = next(iter(ranks.values()), None)
             first = node.args[0] if node.args else None
             val = first.meta.get("val", first.meta.get("example_value")) \
                 if isinstance(first, fx.Node) else None
@@ -66,10 +67,10 @@ def _group_ranks(name: str) -> list[int]:
     return sorted(dist.get_process_group_ranks(compat.resolve_process_group(name)))
 
 
-def _group_shape(name: str) -> str:
-    """A process group as the same string on every rank of the same mesh axis: ranks (0, 2) and
-    (1, 3) are one axis's two groups, with different names but the same shape (size, strides)."""
-    ranks = _group_ranks(name)
+def _group_shape(ranks: list[int]) -> str:
+    """A process group (its sorted ranks) as the same string on every rank of the same mesh
+    axis: ranks (0, 2) and (1, 3) are one axis's two groups, with different names but the same
+    shape (size, strides)."""
     return f"group(size={len(ranks)}, strides={[b - a for a, b in zip(ranks, ranks[1:])]})"
 
 
