@@ -11,6 +11,7 @@ a silently wrong program.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -18,7 +19,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
-from . import layout
+from . import layout, stamp
 from .core import compat, roles
 from .core.annotation_ops import CONSTRAINT_OP, ENTER_OP, EXIT_OP
 from .core.errors import DistCompileError, describe_mesh, user_source
@@ -31,6 +32,7 @@ from .sharding.rules import GETITEM, OpSpec, local_impl, tensor_args
 from .sharding.rules.moments import lower_split, splits_reduced_dim
 
 aten = torch.ops.aten
+log = logging.getLogger("dynamo_dist.lowering")
 # ops whose argument at this index is the GLOBAL output size
 SIZE_ARG = {
     aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1,
@@ -176,6 +178,19 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
         cache: dict[tuple[fx.Node, Placements], torch.Tensor] = {}
 
         placements = {n: plan.placement(n.name) for n in gm.graph.nodes if n.name in plan.nodes}
+        stamper = stamp.LayerStamper(segs, env, cache, ledger, fake_mode) if segs else None
+
+        def read(key: tuple) -> bool:
+            """Whether the cache holds ``key`` (told to the stamper: a copy must find it alike)."""
+            if stamper is not None:
+                stamper.read(key, key in cache)
+            return key in cache
+
+        def add(entry: CollectiveEntry, value: fx.Node | None, consumer: fx.Node) -> None:
+            if stamper is not None:
+                stamper.entry(entry, value, consumer)
+            else:
+                ledger.add(entry)
 
         def moved(a: fx.Node, req: Placements, consumer: fx.Node, k: int,
                   phase: str | None = None) -> torch.Tensor:
@@ -186,31 +201,39 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
             if src is not a:
                 # replicate the re-indexed value upstream and re-apply the re-indexing (global
                 # arguments are right: a replicated local tensor is the global one)
-                if (a, req) not in cache:
+                if not read((a, req)):
+                    mark = stamper.mark_move() if stamper is not None else None
                     x = moved(a.args[0], req, consumer, k, phase)
                     rest, kw = pytree.tree_map_only(fx.Node, env.__getitem__,
                                                     (a.args[1:], a.kwargs))  # sizes
                     cache[(a, req)] = _LOCAL_IMPL.get(a.target, a.target)(x, *rest, **kw)
+                    if stamper is not None:
+                        stamper.made_move((a, req), mark)
                 return cache[(a, req)]
-            if (a, req) not in cache:
+            if not read((a, req)):
                 def record(kind: str, ax: AxisGroup, t: torch.Tensor) -> None:
-                    ledger.add(CollectiveEntry(
+                    add(CollectiveEntry(
                         kind, ax.name, _bytes(t), consumer.name,
                         f"input {k} of {consumer.target}: {a.name} {fmt(cur)} -> {fmt(req)}",
                         phase or ("backward" if consumer in bwd else "forward"),
-                        user_source(a if consumer.op == "output" else consumer), a.name))
+                        user_source(a if consumer.op == "output" else consumer), a.name),
+                        a, consumer)
+                mark = stamper.mark_move() if stamper is not None else None
                 cache[(a, req)] = redistribute(env[a], cur, req, axes, record,
                                                traced(tuple(a.meta["val"].shape)))
+                if stamper is not None:
+                    stamper.made_move((a, req), mark)
             return cache[(a, req)]
 
         def in_op_reduce(node: fx.Node):
             """Redistribute for collectives an OpSpec runs inside its op, recorded as the op's."""
             def reduce(t: torch.Tensor, cur: Placements, req: Placements, shape) -> torch.Tensor:
                 def record(kind: str, ax: AxisGroup, x: torch.Tensor) -> None:
-                    ledger.add(CollectiveEntry(
+                    add(CollectiveEntry(
                         kind, ax.name, _bytes(x), node.name,
                         f"{node.target} over a split dim: partial sums {fmt(cur)} -> {fmt(req)}",
-                        "backward" if node in bwd else "forward", user_source(node)))
+                        "backward" if node in bwd else "forward", user_source(node)),
+                        None, node)
                 return redistribute(t, cur, req, axes, record, traced(tuple(shape)))
             return reduce
 
@@ -257,6 +280,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 continue
             if node.op != "call_function":
                 continue
+            if stamper is not None and stamper.before(node):
+                continue  # lowered as a copy of an identical layer's local nodes
             if isinstance(node.meta.get("val"), (torch.SymInt, int)) and \
                     node.name not in plan.nodes:
                 # a size (sym_size, size arithmetic) is a GLOBAL number: rebuilt from the
@@ -268,7 +293,13 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
             # activation checkpointing's recompute tags, which the partitioner reads
             with fx_traceback.set_current_meta(node):
                 lower_node(node)
+            if stamper is not None:
+                stamper.after(node)
 
+        if stamper is not None:
+            log.debug("dynamo_dist: lowering copied %d layer segments, lowered %d node by node",
+                      stamper.stamped, stamper.lowered)
+            stamps.append((stamper.stamped, stamper.lowered))
         output = next(iter(gm.graph.find_nodes(op="output")))
         results = []
         reqs = iter(plan.nodes[output.name].inputs)
@@ -286,6 +317,9 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 results.append(o)
         return results
 
+    # identical layers are lowered once and copied (``stamp``); not where sizes are symbolic
+    segs = stamp.segments(gm, plan, bwd) if stamp.enabled() and not symbolic else {}
+    stamps: list[tuple[int, int]] = []
     with compat.disable_local_tensor_mode():
         primal_fakes = [local_fake(n) for n in primals]
         tangent_fakes = [local_fake(n) for n in tangents]
@@ -304,6 +338,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
     local_gm.graph._codegen = fx.graph.CodeGen()
     compat.binary_size_arithmetic(local_gm)
     local_gm.recompile()
+    if stamps:  # (layer segments copied, segments lowered node by node though they repeat)
+        local_gm.meta["dynamo_dist_stamps"] = stamps[0]
     return local_gm, ledger
 
 

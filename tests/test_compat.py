@@ -371,3 +371,33 @@ def test_an_in_place_op_that_would_move_its_input_is_read_on_replicated_fakes(fa
     assert _moves_self(out(Replicate(), Replicate()), schema)
     assert not _moves_self(out(Shard(0), Replicate()), schema)
     assert not _moves_self(out(Shard(1), Replicate()), schema)  # renumbered: DTensor's own
+
+
+def test_make_fx_tracker_hooks_copy_a_node_into_a_trace():
+    """What ``stamp`` uses of make_fx: inside a trace, a node copied into the tracer's graph
+    and given a fresh fake (made over a meta tensor, no dispatch) is where later ops read that
+    value from; the fake aliases another made over a view of the same meta storage."""
+    def f(x):
+        tracer = compat.proxy_tracer()
+        y = x * 2
+        node = compat.proxy_node(y, tracer)
+        assert node is not None and node.target is torch.ops.aten.mul.Tensor
+        with compat.untraced():
+            assert compat.proxy_node(torch.ones(1), tracer) is None  # made untraced
+        with compat.untraced(), compat.no_dispatch_modes():
+            meta = torch.empty_strided((4,), (1,), device="meta")
+            fake = compat.fake_tensor(x.fake_mode, meta, x.device)
+            view = compat.fake_tensor(x.fake_mode, meta[1:], x.device)
+        copy = tracer.graph.create_node("call_function", node.target, (node.args[0], 3.0))
+        compat.track_value(fake, copy, tracer, node.meta.get("tensor_meta"))
+        assert view.untyped_storage()._cdata == fake.untyped_storage()._cdata
+        return fake + y
+
+    fake_mode = compat.FakeTensorMode()
+    gm = compat.make_fx(f, tracing_mode="fake")(fake_mode.from_tensor(torch.randn(4)))
+    add = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor)
+    assert add.args[0].args[1] == 3.0 and add.args[1].args[1] == 2
+    assert add.args[0].meta["val"].shape == (4,)
+    assert torch.equal(gm(torch.ones(4)), torch.full((4,), 5.0))
+    assert "stack_trace" not in compat.TRACED_META_FIELDS and \
+        "nn_module_stack" in compat.TRACED_META_FIELDS

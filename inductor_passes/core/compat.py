@@ -890,3 +890,56 @@ def autograd_leaves(tensors) -> list[torch.Tensor]:
             out.append(leaf)
         todo.extend(f for f, _ in fn.next_functions)
     return out
+
+
+# --- lowering's copies of a repeated layer (inductor_passes/stamp.py): make_fx's proxy tracker.
+# Checked on 2.11 and 2.13 (tests/test_compat.py).
+from torch.fx.experimental import proxy_tensor as _proxy_tensor  # noqa: E402
+from torch.fx.proxy import _COPY_META_FIELDS as TRACED_META_FIELDS  # noqa: E402,F401
+
+
+def proxy_tracer():
+    """The tracer of the make_fx trace running now, or None."""
+    mode = _proxy_tensor.get_proxy_mode()
+    return mode.tracer if mode is not None else None
+
+
+def proxy_node(t: torch.Tensor, tracer) -> "torch.fx.Node | None":
+    """The node of ``tracer``'s graph that computes ``t``, or None for an untracked tensor."""
+    slot = _proxy_tensor.get_proxy_slot(t, tracer, None)
+    return slot.proxy.node if slot is not None else None
+
+
+def track_value(value: torch.Tensor, node: "torch.fx.Node", tracer, tensor_meta) -> None:
+    """Make ``node`` (already in ``tracer``'s graph) the node that computes ``value``, as make_fx
+    does for an op's result: its ``val`` a detached snapshot, its ``tensor_meta`` the one given
+    (a copy's is its original's: computing it is most of the cost)."""
+    _proxy_tensor.track_tensor(value, torch.fx.Proxy(node, tracer), constant=None, tracer=tracer)
+    node.meta["val"] = _proxy_tensor.snapshot_fake(value)
+    if tensor_meta is not None:
+        node.meta["tensor_meta"] = tensor_meta
+
+
+def fake_tensor(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor of ``mode`` on ``device`` over the meta tensor ``meta`` (its storage: two
+    over views of one meta storage alias), made without a trip through the dispatcher."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor(mode, meta, device)
+
+
+def untraced() -> contextlib.AbstractContextManager:
+    """Run tensor code inside a make_fx trace without recording it, and without make_fx's
+    torch-function mode (it sees every ``.shape`` and ``.stride()``)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(_proxy_tensor.disable_proxy_modes_tracing())
+    stack.enter_context(_proxy_tensor._temp_remove_metadata_torch_function_mode())
+    return stack
+
+
+def no_dispatch_modes() -> contextlib.AbstractContextManager:
+    """No dispatch mode at all (the trace's fake mode included): meta tensors made here are
+    made by their C++ kernels directly."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
