@@ -76,31 +76,36 @@ def _lowered(monkeypatch, module) -> list:
 
 @pytest.mark.parametrize("axes", [((2, 2), ("dp", "tp")), ((2,), ("tp",))])
 def test_a_copied_layer_is_the_layer_lowered_node_by_node(fake_mesh, monkeypatch, axes):
-    """A 6-layer Llama (FSDP x Megatron, or Megatron alone) lowered twice, with and without
-    copying: the same local graph node for node, the same storage sharing, the same ledger;
-    and copying did happen (most layers' forward and backward segments)."""
+    """A 6-layer Llama (FSDP x Megatron, or Megatron alone): its joint graph and plan lowered
+    twice, with and without copying: the same local graph node for node, the same storage
+    sharing, the same ledger; and copying did happen (most layers' forward and backward
+    segments)."""
     size = LlamaSize(layers=6, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256,
                      seq=32, batch=4)
-    ids = token_batch(size, 0)
     runs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("DYNAMO_DIST_STAMP", flag)
-        seen = _lowered(monkeypatch, backend)
-        torch.manual_seed(0)
-        model = sharded_llama(fake_mesh(*axes), size)
-        compiled = torch.compile(model, backend="dist", options={"inductor": False})
-        compiled(input_ids=ids, labels=ids).loss.backward()
-        runs[flag] = seen[-1]
-        monkeypatch.undo()
-        torch._dynamo.reset()
+    inner = backend.lower
+
+    def lower(*args, **kwargs):  # the same graph and plan, lowered both ways
+        for flag in ("0", "1"):
+            monkeypatch.setenv("DYNAMO_DIST_STAMP", flag)
+            gm, ledger = inner(*args, **kwargs)
+            runs[flag] = (gm.meta.get("dynamo_dist_stamps"), _canonical(gm), _aliases(gm),
+                          [tuple(vars(e).values()) for e in ledger.entries])
+        return gm, ledger
+
+    monkeypatch.setattr(backend, "lower", lower)
+    model = sharded_llama(fake_mesh(*axes), size)
+    compiled = torch.compile(model, backend="dist", options={"inductor": False})
+    ids = token_batch(size, 0)
+    compiled(input_ids=ids, labels=ids).loss.backward()
     (stamps, graph, aliases, ledger), (none, flat, flat_aliases, flat_ledger) = \
         runs["1"], runs["0"]
     assert none is None and stamps is not None
     copied, lowered = stamps
     assert copied >= 6 and lowered == 0, stamps  # 12 segments; first and last layers differ
-    assert len(graph) == len(flat)
     for k, (a, b) in enumerate(zip(graph, flat)):
         assert a == b, (k, a, b)
+    assert len(graph) == len(flat)
     assert aliases == flat_aliases
     assert ledger == flat_ledger and len(ledger) > 0
 
