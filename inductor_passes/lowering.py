@@ -178,7 +178,9 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
         cache: dict[tuple[fx.Node, Placements], torch.Tensor] = {}
 
         placements = {n: plan.placement(n.name) for n in gm.graph.nodes if n.name in plan.nodes}
-        stamper = stamp.LayerStamper(segs, env, cache, ledger, fake_mode) if segs else None
+        stamper = stamp.LayerStamper(
+            segs, env, cache, ledger, fake_mode,
+            direct=lambda a, req: replicate_source(a, req, placements) is a) if segs else None
 
         def read(key: tuple) -> bool:
             """Whether the cache holds ``key`` (told to the stamper: a copy must find it alike)."""

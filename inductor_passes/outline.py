@@ -25,8 +25,9 @@ layers, which are otherwise the same as the rest.
 An instance is left in place (never an error) when outlining it could change what the program
 computes or the order of its effects: an op that draws random numbers or mutates (RNG offsets
 and in-place writes are not per-call), a higher-order op or symbolic size inside it, a path
-that leaves it and comes back (not convex), or an effectful node between its first and last
-node. Nodes between them that use its results move after the call, in their order; every rank
+that leaves it and comes back (not convex), an effectful node between its first and last
+node, or an output that is a view of one of its inputs (Inductor would reuse the input's
+buffer after the call while the view still reads it). Nodes between them that use its results move after the call, in their order; every rank
 rewrites its graph the same way, so collectives stay in one order on every rank.
 ``DYNAMO_DIST_OUTLINE=0`` turns the pass off.
 """
@@ -219,6 +220,22 @@ def instances(gm: fx.GraphModule, include: Callable[[fx.Node], bool] = lambda n:
     return {k: v for k, v in groups.items() if len(v) > 1}
 
 
+def _storage(value: Any) -> int | None:
+    return value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else None
+
+
+def _outputs_own_storage(inst: _Instance, outputs: list[int]) -> None:
+    """Raise _Unsupported when an output of the body would be a view of one of its inputs.
+    Inductor plans the calling graph's memory as if a call's outputs were new buffers: after
+    the call it reused the input's buffer while the output view (an activation saved for the
+    backward) still read it. Mixtral on dp=2 x tp=2 at 4 layers trained to gradients 82x off
+    (a body returned a batch slice of its input), with the loss right."""
+    held = {_storage(x.meta.get("val")) for x in inst.inputs} - {None}
+    for j in outputs:
+        if _storage(inst.nodes[j].meta.get("val")) in held:
+            raise _Unsupported(f"output {inst.nodes[j].name} is a view of an input")
+
+
 def _later_users(nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
     """Nodes between an instance's first and last node (``nodes``, in graph order) that use its
     results (transitively), in graph order: they move after the call. Raises _Unsupported when
@@ -344,6 +361,7 @@ def outline_repeats(gm: fx.GraphModule) -> Outlined:
                 again, inst.inputs = _signature(inst.nodes)
                 if again != sig:
                     raise _Unsupported("changed by an earlier rewrite")
+                _outputs_own_storage(inst, outputs)
                 if attr is None:
                     gm.add_submodule(name, _body(inst, outputs))
                     placed = next(n for n in gm.graph.nodes if n.op != "placeholder")

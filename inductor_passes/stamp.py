@@ -28,7 +28,7 @@ import copy
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -120,8 +120,9 @@ class LayerStamper:
     ``read(key, hit)`` / ``entry(...)`` are told of each cache read and ledger entry."""
 
     def __init__(self, segs: dict[fx.Node, tuple[_Instance, _Instance]], env: dict,
-                 cache: dict, ledger, fake_mode):
+                 cache: dict, ledger, fake_mode, direct: Callable[[fx.Node, Any], bool]):
         self.segs, self.env, self.cache, self.ledger = segs, env, cache, ledger
+        self.direct = direct  # lowering moves the value itself (not a re-indexed source)
         self.fake_mode = fake_mode
         self.tracer = compat.proxy_tracer()
         self.recordings: dict[int, _Recording] = {}
@@ -204,7 +205,7 @@ class LayerStamper:
             if not _plain_value(n.meta.get("val")):
                 rec.usable = False
         if any(k[0] not in domain for k in rec.first_reads):
-            rec.usable = False  # a redistribute read upstream of the inputs (a re-indexing)
+            rec.usable = False  # a value moved upstream of the inputs (through a re-indexing)
         self.recordings[id(rec.inst)] = rec
 
     # --- stamping another segment -----------------------------------------------------------
@@ -225,8 +226,8 @@ class LayerStamper:
                     shared.add(self._node(vx))
                     pairs.append((vx, vx))
                 continue
-            if not (isinstance(vx, torch.Tensor) and isinstance(vy, torch.Tensor)):
-                raise _NotStamped(f"input {y.name} is not one traced tensor")
+            if not (_fake(vx) and _fake(vy)):  # a constant: its values are not in the signature
+                raise _NotStamped(f"input {y.name} is not one traced (fake) tensor")
             if _layout(vx) != _layout(vy):
                 raise _NotStamped(f"input {y.name} has another local layout")
             lmap[self._node(vx)] = self._node(vy)
@@ -244,6 +245,9 @@ class LayerStamper:
                 continue
             if ((b, req) in self.cache) != hit:
                 raise _NotStamped(f"the move of {b.name} to {req} is cached differently")
+            if self.direct(a, req) != self.direct(b, req):  # e.g. an input that is a view
+                raise _NotStamped(f"{b.name} would be moved otherwise (through what it "
+                                  f"re-indexes, or not)")
             if hit:
                 ra, rb = self.cache[(a, req)], self.cache[(b, req)]
                 lmap[self._node(ra)] = self._node(rb)
@@ -325,6 +329,10 @@ def _plain_value(val: Any) -> bool:
     if isinstance(val, (tuple, list)):
         return all(v is None or _plain_value(v) for v in val)
     return False
+
+
+def _fake(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and getattr(v, "fake_mode", None) is not None
 
 
 def _layout(t: torch.Tensor) -> tuple:

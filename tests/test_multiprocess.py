@@ -94,6 +94,22 @@ def test_two_rank_bucketed_syncbn_gradients(monkeypatch, tmp_path):
     assert row["grad_rel"] <= 1e-4
 
 
+def test_four_rank_mixtral_with_outlined_layers_under_inductor(monkeypatch, tmp_path):
+    """The zoo's Mixtral, 4 layers, dp=2 x tp=2 under Inductor: two of its forward layers
+    matched, and their shared body returned a batch slice of its input (an activation saved
+    for the backward). Inductor reused the input's buffer after the call, so first-step
+    gradients came out 82x off with the loss right. Such a layer now stays inline
+    (``outline._outputs_own_storage``); first-step gradients must match one process."""
+    import json
+
+    monkeypatch.setenv("DYNAMO_DIST_ZOO_LAYERS", "4")
+    out = tmp_path / "cell.json"
+    torchrun("zoo_cell.py", 4, "mixtral", "dp=2,tp=2", str(out), "--steps", "1")
+    row = json.loads(out.read_text())
+    assert row["status"] == "parity", (row.get("grad_worst"), row.get("grad_rel"), row.get("error"))
+    assert row["grad_rel"] <= 1e-4
+
+
 def test_every_redistribute_on_a_2x2_mesh():
     """858 pairs of Shard / Replicate / Partial (even and uneven), 262 with a _StridedShard, and
     318 more where one side splits a dim over both mesh axes (nested: [S(0), S(0)])."""

@@ -319,3 +319,29 @@ def test_reducing_before_or_after_a_view_shares_one_body(fake_mesh):
               and n.args[0].target is torch.ops._c10d_functional.wait_tensor.default]
     assert views  # the view follows the reduction
     assert torch.equal(gm(*args)[0], expected[0])
+
+
+def test_a_layer_returning_a_view_of_its_input_stays_inline():
+    """A body output that is a view of a body input (a batch slice kept for later) would let
+    Inductor reuse the input's buffer after the call while the view still reads it (Mixtral on
+    dp=2 x tp=2: gradients 82x off): such layers stay inline; the others are still shared."""
+    def f(x, *ws):
+        kept = []
+        for k, w in enumerate(ws):
+            with _in_module(f"model.layers.{k}"):
+                h = torch.relu(x @ w) * 0.5
+                h = h + torch.tanh(h) - h.mean(dim=-1, keepdim=True)
+                if k < 3:
+                    kept.append(x[1:])  # a view of the layer's input, used outside it
+                x = x + h
+        with _in_module("model.head"):
+            return (x.sum(), *[v * 1.0 for v in kept])
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(4, D, generator=g)] + [torch.randn(D, D, generator=g) / D
+                                              for _ in range(5)]
+    with fx_traceback.preserve_node_meta():
+        gm = compat.make_fx(f, tracing_mode="fake")(*args)
+    done = outline.outline_repeats(gm)
+    layers = sorted(k for called, _ in done.bodies.values() for _, k in called)
+    assert layers == [3, 4], done  # layers 0-2 return a view of their input
