@@ -42,6 +42,26 @@ def sharded_llama(mesh, size):
     return model
 
 
+def lm_steps_at_parity(compiled, model, ref, rt, batches) -> None:
+    """Train ``compiled`` (over ``model``, on the simulated ranks of ``rt``) and ``ref`` (one
+    process) on each token batch of ``batches`` (labels = inputs): every step's loss within 1e-5
+    and every gradient within 1e-4 of one process's."""
+    from dynamo_dist.testing.zoo.cell import global_value
+
+    for step, ids in enumerate(batches):
+        loss = compiled(input_ids=ids, labels=ids).loss
+        with rt.eager():
+            loss.backward()
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        assert abs(global_value(loss, rt).item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(global_value(p.grad, rt), q.grad, rtol=1e-4, atol=1e-6,
+                                       msg=f"step {step} ({tuple(ids.shape)}) {n}")
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
 def make_fake_mesh(shape, names, rank: int = 0):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from conftest import lm_steps_at_parity
 from test_sharding_properties import OPS, _mesh, _placement
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -129,19 +130,9 @@ def test_tp_llama_one_program_for_every_length_at_parity(fake_mesh):
         shard_module(model, mesh, TensorParallelPlanner().build_plan(model))
         rt.localize(model)
     compiled = torch.compile(model, backend="dist", options=rt.options(), dynamic=True)
-    for step, (b, s) in enumerate([(2, 32), (2, 48), (2, 64), (2, 32), (3, 40)]):
-        ids = torch.randint(3, VOCAB, (b, s), generator=torch.Generator().manual_seed(step))
-        loss = compiled(input_ids=ids, labels=ids).loss
-        with rt.eager():
-            loss.backward()
-        ref_loss = ref(input_ids=ids, labels=ids).loss
-        ref_loss.backward()
-        assert abs(global_value(loss, rt).item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(global_value(p.grad, rt), q.grad, rtol=1e-4, atol=1e-6,
-                                       msg=f"step {step} ({b}x{s}) {n}")
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+    lm_steps_at_parity(compiled, model, ref, rt, [
+        torch.randint(3, VOCAB, (b, s), generator=torch.Generator().manual_seed(step))
+        for step, (b, s) in enumerate([(2, 32), (2, 48), (2, 64), (2, 32), (3, 40)])])
     (record,) = compile_records()
     assert record.step.calls == 5 and is_symbolic(record.program.graph_module)
     assert record.ledger.count() > 0 and not record.plan.fallbacks

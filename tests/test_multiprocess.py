@@ -84,11 +84,17 @@ def test_two_rank_bucketed_syncbn_gradients(monkeypatch, tmp_path):
     reduce-scattered as its bias gradient. Inductor computed it into the all_reduce bucket, which
     the in-place all_reduce_ then overwrote, so the bias gradient came out 2x (AdamW hides it in
     the loss). First-step gradients must match one process."""
+    monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", "25")
+    _first_step_at_parity(tmp_path, 2, "convnet", "dp=2")
+
+
+def _first_step_at_parity(tmp_path, nproc: int, model: str, mesh: str) -> None:
+    """One zoo cell on ``nproc`` gloo ranks under Inductor, one step: its first-step
+    gradients must match one process's."""
     import json
 
-    monkeypatch.setenv("DYNAMO_DIST_BUCKET_MB", "25")
     out = tmp_path / "cell.json"
-    torchrun("zoo_cell.py", 2, "convnet", "dp=2", str(out), "--steps", "1")
+    torchrun("zoo_cell.py", nproc, model, mesh, str(out), "--steps", "1")
     row = json.loads(out.read_text())
     assert row["status"] == "parity", (row.get("grad_worst"), row.get("grad_rel"), row.get("error"))
     assert row["grad_rel"] <= 1e-4
@@ -100,14 +106,8 @@ def test_four_rank_mixtral_with_outlined_layers_under_inductor(monkeypatch, tmp_
     for the backward). Inductor reused the input's buffer after the call, so first-step
     gradients came out 82x off with the loss right. Such a layer now stays inline
     (``outline._outputs_own_storage``); first-step gradients must match one process."""
-    import json
-
     monkeypatch.setenv("DYNAMO_DIST_ZOO_LAYERS", "4")
-    out = tmp_path / "cell.json"
-    torchrun("zoo_cell.py", 4, "mixtral", "dp=2,tp=2", str(out), "--steps", "1")
-    row = json.loads(out.read_text())
-    assert row["status"] == "parity", (row.get("grad_worst"), row.get("grad_rel"), row.get("error"))
-    assert row["grad_rel"] <= 1e-4
+    _first_step_at_parity(tmp_path, 4, "mixtral", "dp=2,tp=2")
 
 
 def test_every_redistribute_on_a_2x2_mesh():

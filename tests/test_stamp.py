@@ -15,10 +15,10 @@ import dynamo_dist.simulate as simulate
 from dynamo_dist import compile_records
 from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
 from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
-from dynamo_dist.testing.zoo.cell import SimRuntime, global_value
+from dynamo_dist.testing.zoo.cell import SimRuntime
 from inductor_passes import stamp
 
-from conftest import sharded_llama
+from conftest import lm_steps_at_parity, sharded_llama
 
 
 _BACKEND_LOWER = backend.lower
@@ -64,6 +64,25 @@ def _aliases(gm: fx.GraphModule) -> list:
     return out
 
 
+def _lowered_both_ways(monkeypatch) -> dict:
+    """Make the backend lower each graph and plan twice, without copies ("0") and with them
+    ("1"), keeping (copy counts, canonical graph, storage sharing, ledger) of each; the copied
+    lowering is the one compiled. The original ``lower`` is wrapped (not ``backend.lower``:
+    Hypothesis' examples share one monkeypatch)."""
+    runs: dict = {}
+
+    def lower(*args, **kwargs):
+        for flag in ("0", "1"):
+            monkeypatch.setenv("DYNAMO_DIST_STAMP", flag)
+            gm, ledger = _BACKEND_LOWER(*args, **kwargs)
+            runs[flag] = (gm.meta.get("dynamo_dist_stamps"), _canonical(gm), _aliases(gm),
+                          [tuple(vars(e).values()) for e in ledger.entries])
+        return gm, ledger
+
+    monkeypatch.setattr(backend, "lower", lower)
+    return runs
+
+
 def _lowered(monkeypatch, module) -> list:
     """Wrap ``module.lower`` (the backend's or the simulator's) to keep what it returns."""
     seen = []
@@ -87,18 +106,7 @@ def test_a_copied_layer_is_the_layer_lowered_node_by_node(fake_mesh, monkeypatch
     segments)."""
     size = LlamaSize(layers=6, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256,
                      seq=32, batch=4)
-    runs = {}
-    inner = backend.lower
-
-    def lower(*args, **kwargs):  # the same graph and plan, lowered both ways
-        for flag in ("0", "1"):
-            monkeypatch.setenv("DYNAMO_DIST_STAMP", flag)
-            gm, ledger = inner(*args, **kwargs)
-            runs[flag] = (gm.meta.get("dynamo_dist_stamps"), _canonical(gm), _aliases(gm),
-                          [tuple(vars(e).values()) for e in ledger.entries])
-        return gm, ledger
-
-    monkeypatch.setattr(backend, "lower", lower)
+    runs = _lowered_both_ways(monkeypatch)
     model = sharded_llama(fake_mesh(*axes), size)
     compiled = torch.compile(model, backend="dist", options={"inductor": False})
     ids = token_batch(size, 0)
@@ -132,19 +140,7 @@ def test_a_model_with_copied_layers_trains_at_parity(fake_mesh, monkeypatch):
         shard_module(model, mesh, plan)
         rt.localize(model)
     compiled = torch.compile(model, backend="dist", options=rt.options())
-    for step in range(2):
-        ids = token_batch(size, step)
-        loss = compiled(input_ids=ids, labels=ids).loss
-        with rt.eager():
-            loss.backward()
-        ref_loss = ref(input_ids=ids, labels=ids).loss
-        ref_loss.backward()
-        assert abs(global_value(loss, rt).item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(global_value(p.grad, rt), q.grad, rtol=1e-4, atol=1e-6,
-                                       msg=f"step {step} {n}")
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+    lm_steps_at_parity(compiled, model, ref, rt, [token_batch(size, step) for step in range(2)])
     assert len(compile_records()) == 1
     assert len(seen) == 4 and all(s[0] is not None and s[0][0] >= 2 for s in seen), \
         [s[0] for s in seen]
@@ -191,18 +187,7 @@ def test_random_placements_lower_alike_with_and_without_copies(fake_mesh, monkey
 
     mesh = fake_mesh((2, 2), ("dp", "tp")) if two_d else fake_mesh((2,), ("tp",))
     place = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1)}
-    runs = {}
-    inner = _BACKEND_LOWER  # not backend.lower: Hypothesis' examples share one monkeypatch
-
-    def lower(*args, **kwargs):
-        for flag in ("0", "1"):
-            monkeypatch.setenv("DYNAMO_DIST_STAMP", flag)
-            gm, ledger = inner(*args, **kwargs)
-            runs[flag] = (gm.meta.get("dynamo_dist_stamps"), _canonical(gm), _aliases(gm),
-                          [tuple(vars(e).values()) for e in ledger.entries])
-        return gm, ledger
-
-    monkeypatch.setattr(backend, "lower", lower)
+    runs = _lowered_both_ways(monkeypatch)
 
     @settings(max_examples=5, deadline=None)
     @given(layers=st.integers(2, 6), pins=st.lists(_PLACEMENTS, min_size=12, max_size=12))
