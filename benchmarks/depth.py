@@ -7,8 +7,10 @@ The demo-width Llama (``LlamaSize``: hidden 256, 8 heads, seq 128, batch 8; only
 varies), sharded by the stock planners (Megatron on ``tp``, FSDP on ``dp``), one forward +
 backward compiled with ``backend="dist"`` and Inductor. Every (depth, variant) runs in a fresh
 process with an empty Inductor cache directory and the plan cache off: a cold compile. Variants:
-``outline`` (the default: repeated layers share one compiled body, ``inductor_passes.outline``)
-and ``inline`` (``DYNAMO_DIST_OUTLINE=0``: every layer compiled in place).
+``outline`` (the default: repeated layers share one compiled body, ``inductor_passes.outline``,
+and lowering copies repeated layers, ``inductor_passes.stamp``), ``inline``
+(``DYNAMO_DIST_OUTLINE=0``: every layer compiled in place) and ``unstamped`` (outlined, but
+``DYNAMO_DIST_STAMP=0``: every layer lowered node by node).
 
 On CPU with a mesh of more than one rank the process is rank 0 of torch's ``fake`` process group
 (collectives compiled, never run): compile times only. With a mesh of one rank (``tp=1``) the
@@ -23,8 +25,9 @@ backend's stages (capture, plan, lower, schedule check, inductor: partitioning a
 Dynamo's share (first call minus the backend and one step), the layer calls that share a compiled
 body (forward, backward). Results: ``benchmarks/results/depth-<device>.json`` (every run, the
 machine, and the ratios: each variant's first call at the largest depth over the smallest, and
-outline / inline per depth) and ``depth-<device>.md``. One cold compile per cell (they take
-minutes); the machine's load average is recorded at each run's start and end.
+outline / inline, outline / unstamped per depth) and ``depth-<device>.md``. One cold compile
+per cell (they take minutes); the machine's load average is recorded at each run's start and
+end.
 """
 
 from __future__ import annotations
@@ -155,6 +158,7 @@ def _run(args, layers: int, variant: str, port: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="depth-inductor-") as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, DYNAMO_DIST_PLAN_CACHE="0",
                    DYNAMO_DIST_OUTLINE="0" if variant == "inline" else "1",
+                   DYNAMO_DIST_STAMP="0" if variant == "unstamped" else "1",
                    PYTHONPATH=ROOT)
         t = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
@@ -176,7 +180,7 @@ def _ratios(rows: list[dict]) -> dict:
                 round(mine[-1]["first_call_s"] / mine[0]["first_call_s"], 3)
     for layers in sorted({r["layers"] for r in ok}):
         at = {r["variant"]: r for r in ok if r["layers"] == layers}
-        for other in ("inline", "inductor"):
+        for other in ("inline", "unstamped", "inductor"):
             if "outline" in at and other in at:
                 out[f"{layers} layers: first call, outline / {other}"] = round(
                     at["outline"]["first_call_s"] / at[other]["first_call_s"], 3)
@@ -225,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh", default="dp=2,tp=2")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--variants", nargs="+", default=["outline", "inline"],
-                    choices=["outline", "inline"])
+                    choices=["outline", "inline", "unstamped"])
     ap.add_argument("--baseline", action="store_true",
                     help="also plain torch.compile (Inductor, one device) at each depth")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (world size 1)")
