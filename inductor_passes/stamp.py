@@ -94,12 +94,11 @@ def _plan_key(plan, inst: _Instance) -> tuple:
 class _Recording:
     """What lowering the representative made: its local nodes in order, the global node each
     was made for, the cache keys it read first (and whether they were there), the cache keys
-    it added, and its ledger entries with the (moved value, consumer) of each."""
+    it added and the local nodes of each, and its ledger entries with the (moved value,
+    consumer) of each. ``usable`` is False where a copy could not be exact (``_finish``)."""
 
     inst: _Instance
-    start: fx.Node
-    cache_keys: set
-    ledger_start: int
+    cache_keys: set  # the cache's keys when it began (emptied at its end)
     made_for: dict[fx.Node, fx.Node] = dataclasses.field(default_factory=dict)
     first_reads: dict[tuple, bool] = dataclasses.field(default_factory=dict)
     local: list[fx.Node] = dataclasses.field(default_factory=list)
@@ -127,8 +126,6 @@ class LayerStamper:
         self.tracer = compat.proxy_tracer()
         self.recordings: dict[int, _Recording] = {}
         self.recording: _Recording | None = None
-        self.ends: dict[fx.Node, _Instance] = {s[1].nodes[-1]: s[1] for s in segs.values()
-                                                if s[0] is s[1]}
         self.done: set[fx.Node] = set()
         self.mark: fx.Node | None = None
         self.stamped = self.lowered = 0
@@ -144,8 +141,7 @@ class LayerStamper:
         if seg is not None and self.recording is None:
             inst, rep = seg
             if inst is rep:
-                self.recording = _Recording(inst, self._last(), set(self.cache),
-                                            len(self.ledger.entries))
+                self.recording = _Recording(inst, set(self.cache))
             else:
                 rec = self.recordings.get(id(rep))
                 if rec is not None and rec.usable:
