@@ -5,7 +5,7 @@ placement differs from what the consumer's OpSpec needs becomes a redistribute (
 ``_c10d_functional`` collectives, reused when two consumers need the same placement), shape
 arguments are rewritten from global to local, and every produced local shape is checked against
 the global shape divided by the planned placement -- a mismatch is an error naming the op, never
-a silently wrong program.
+a silently wrong program. Identical layers are lowered once and copied (``stamp``).
 """
 
 from __future__ import annotations
