@@ -188,6 +188,14 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 stamper.read(key, key in cache)
             return key in cache
 
+        def store(key: tuple, make) -> None:
+            """Cache ``make()`` (a move) under ``key``; the stamper learns which local nodes
+            it made."""
+            mark = stamper.mark_move() if stamper is not None else None
+            cache[key] = make()
+            if stamper is not None:
+                stamper.made_move(key, mark)
+
         def add(entry: CollectiveEntry, value: fx.Node | None, consumer: fx.Node) -> None:
             if stamper is not None:
                 stamper.entry(entry, value, consumer)
@@ -204,13 +212,12 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 # replicate the re-indexed value upstream and re-apply the re-indexing (global
                 # arguments are right: a replicated local tensor is the global one)
                 if not read((a, req)):
-                    mark = stamper.mark_move() if stamper is not None else None
-                    x = moved(a.args[0], req, consumer, k, phase)
-                    rest, kw = pytree.tree_map_only(fx.Node, env.__getitem__,
-                                                    (a.args[1:], a.kwargs))  # sizes
-                    cache[(a, req)] = _LOCAL_IMPL.get(a.target, a.target)(x, *rest, **kw)
-                    if stamper is not None:
-                        stamper.made_move((a, req), mark)
+                    def reindexed():
+                        x = moved(a.args[0], req, consumer, k, phase)
+                        rest, kw = pytree.tree_map_only(fx.Node, env.__getitem__,
+                                                        (a.args[1:], a.kwargs))  # sizes
+                        return _LOCAL_IMPL.get(a.target, a.target)(x, *rest, **kw)
+                    store((a, req), reindexed)
                 return cache[(a, req)]
             if not read((a, req)):
                 def record(kind: str, ax: AxisGroup, t: torch.Tensor) -> None:
@@ -220,11 +227,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                         phase or ("backward" if consumer in bwd else "forward"),
                         user_source(a if consumer.op == "output" else consumer), a.name),
                         a, consumer)
-                mark = stamper.mark_move() if stamper is not None else None
-                cache[(a, req)] = redistribute(env[a], cur, req, axes, record,
-                                               traced(tuple(a.meta["val"].shape)))
-                if stamper is not None:
-                    stamper.made_move((a, req), mark)
+                store((a, req), lambda: redistribute(env[a], cur, req, axes, record,
+                                                     traced(tuple(a.meta["val"].shape))))
             return cache[(a, req)]
 
         def in_op_reduce(node: fx.Node):

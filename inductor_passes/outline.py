@@ -62,14 +62,20 @@ _CONSTANTS = (int, float, bool, str, type(None), torch.dtype, torch.device, torc
               torch.memory_format)
 
 
+def switch(name: str, on: str, off: str) -> bool:
+    """Environment variable ``name``: "1" (the default: ``on``) or "0" (``off``); ValueError
+    naming both for another value."""
+    text = os.environ.get(name, "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"{name}={text!r}: fix: use 1 ({on}, the default) or 0 ({off})")
+    return text == "1"
+
+
 def enabled() -> bool:
     """``DYNAMO_DIST_OUTLINE`` (default on; 0 turns the pass off). Raises ValueError for another
     value."""
-    text = os.environ.get("DYNAMO_DIST_OUTLINE", "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"DYNAMO_DIST_OUTLINE={text!r}: fix: use 1 (outline repeated layers, "
-                         f"the default) or 0 (off)")
-    return text == "1" and INVOKE_SUBGRAPH is not None
+    return switch("DYNAMO_DIST_OUTLINE", "outline repeated layers", "off") and \
+        INVOKE_SUBGRAPH is not None
 
 
 @dataclasses.dataclass

@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import os
 from typing import Any, Callable
 
 import torch
@@ -37,7 +36,7 @@ import torch.utils._pytree as pytree
 from .core import compat
 from .core.ledger import CollectiveEntry
 from .core.errors import user_source
-from .outline import _Instance, instances
+from .outline import _Instance, instances, switch
 
 log = logging.getLogger("dynamo_dist.stamp")
 
@@ -48,11 +47,8 @@ _META_FIELDS = (*compat.TRACED_META_FIELDS, "stack_trace", "seq_nr", "is_gradien
 def enabled() -> bool:
     """``DYNAMO_DIST_STAMP`` (default on; 0: lower every layer node by node). ValueError for
     another value."""
-    text = os.environ.get("DYNAMO_DIST_STAMP", "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"DYNAMO_DIST_STAMP={text!r}: fix: use 1 (copy repeated layers, the "
-                         f"default) or 0 (lower every layer node by node)")
-    return text == "1"
+    return switch("DYNAMO_DIST_STAMP", "copy repeated layers",
+                  "lower every layer node by node")
 
 
 def segments(gm: fx.GraphModule, plan, backward: set[fx.Node]
