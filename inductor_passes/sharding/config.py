@@ -21,7 +21,8 @@ class PlanMethod(enum.Enum):
 
 
 # the fields that may be 0 (every other number must be >= 1; the time limit > 0)
-_MAY_BE_ZERO = ("descent_rounds", "repeat_rounds", "latency_bytes", "reslice_cost", "bytes_per_flop")
+_MAY_BE_ZERO = ("descent_rounds", "repeat_rounds", "latency_bytes", "reslice_cost", "bytes_per_flop",
+                "saved_memory_weight", "saved_memory_budget_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,18 @@ class PlannerConfig:
     every rank; at this weight it no longer buys a small compute split with extra collectives
     (splitting the lm_head over the batch on a tensor-parallel axis saved flops but cost four
     collectives a step at 1/100).
+    ``saved_memory_weight``: the price of one byte a rank keeps from the forward for the
+    backward (``cost.saved_values``: the activations), in bytes on the wire. A plan that
+    replicates a saved activation to save a collective pays it on every rank until the backward
+    reads it; priced, the planner splits it where a collective costs less than that memory
+    (sequence parallelism, Korthikanti et al. 2022, is the textbook trade). 0 turns it off.
+    ``saved_memory_budget_bytes``: at most this many bytes kept for the backward per rank
+    (``cost.saved_bytes`` of the plan; 0: no budget). A plan over it is planned again with
+    ``saved_memory_weight`` raised tenfold (from 0.01) until one fits, then bisected twice
+    towards the least weight that fits: a Lagrangian relaxation of the budget, each plan
+    optimal for its own price (the trade is monotone in the weight), not the constrained
+    optimum. Each try is a whole planning. ``propagate`` raises DistCompileError when even
+    weight 1e4 does not fit.
     """
 
     method: PlanMethod = PlanMethod.ILP
@@ -84,6 +97,8 @@ class PlannerConfig:
     latency_bytes: float = 64 * 1024
     reslice_cost: float = 1.0
     bytes_per_flop: float = 1.0 / 1000
+    saved_memory_weight: float = 0.0
+    saved_memory_budget_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, PlanMethod):

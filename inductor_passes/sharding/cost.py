@@ -1,4 +1,5 @@
-"""Communication cost of a redistribute, alpha-beta model per mesh axis.
+"""The planner's cost model: communication of a redistribute (alpha-beta model per mesh axis),
+matmul and attention compute, and the memory a plan keeps for the backward, in one unit.
 
 _StridedShard is priced as the Shard it is lowered like (the same collectives, plus local block
 reorders, which are free here as local slices are).
@@ -12,11 +13,14 @@ all_reduce twice that, all_to_all (n-1)/n of the local buffer.
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
+import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
+from ..core import roles
 from ..core.nodes import tensor_args
 from ..core.placements import Placements, is_placements, is_split, local_shape, nbytes
 from .config import DEFAULT, PlannerConfig
@@ -159,3 +163,69 @@ def compute_cost(op: str, out_shape: Sequence[int], contracted: int, output: Pla
     for s in out_shape:
         flops *= s
     return flops / _split_degree(output, mesh_shape) * config.bytes_per_flop
+
+
+# Memory, priced in the same unit (``PlannerConfig.saved_memory_weight``)
+
+def saved_values(graph) -> frozenset:
+    """The values a joint ``graph`` (global semantics) keeps from the forward to the backward,
+    before the partitioner trades some for recomputation: for each forward value a backward
+    node reads, the node that made its storage (a view is followed to its base, so a value and
+    its transpose count once). Bases that are program inputs are left out: their placement is
+    pinned, and a gathered parameter is priced by ``PlannerConfig.param_gather_factor``. All of
+    them are alive where the forward ends, so their bytes are the part of a rank's peak that
+    the plan decides."""
+    bwd = roles.tangent_dependent(graph)
+    saved = set()
+    for node in bwd:
+        if node.op == "output":  # forward outputs are the caller's, held either way
+            continue
+        for a in node.all_input_nodes:
+            if a not in bwd:
+                base = _storage_base(a)
+                if base.op == "call_function":
+                    saved.add(base)
+    return frozenset(saved)
+
+
+def _storage_base(node):
+    """The node whose storage ``node``'s value lives in (itself unless it is a view)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node):
+        src = node.args[0]
+        if node.target is operator.getitem:  # a piece of a multi-output op: a view if it is
+            if not (src.op == "call_function" and getattr(src.target, "is_view", False)):
+                break
+            node = src.args[0] if src.args and isinstance(src.args[0], fx.Node) else src
+        elif getattr(node.target, "is_view", False):
+            node = src
+        else:
+            break
+    return node
+
+
+def saved_memory_cost(node, output, mesh_shape: Sequence[int],
+                      config: PlannerConfig = DEFAULT) -> float:
+    """``config.saved_memory_weight`` x the bytes one rank holds of ``node``'s value (a member of
+    ``saved_values``) under ``output`` placements: its largest local piece (a Partial value is
+    held whole). 0 for a non-tensor value or a size that is not an int."""
+    val = node.meta.get("val")
+    if not config.saved_memory_weight or not isinstance(val, torch.Tensor) or \
+            not is_placements(output) or not all(isinstance(s, int) for s in val.shape):
+        return 0.0  # (a symbolic program is planned at its hints: its sizes are ints)
+    return config.saved_memory_weight * nbytes(
+        _walk_shape(tuple(val.shape), list(output), mesh_shape), val.dtype)
+
+
+def saved_bytes(graph, output_of, mesh_shape: Sequence[int]) -> int:
+    """Bytes one rank keeps for the backward under a plan: the largest local piece of every
+    ``saved_values`` member, ``output_of(node)`` giving its placements (a plan's output for
+    it). What ``saved_memory_cost`` prices at weight 1, before the partitioner's
+    recomputation."""
+    total = 0
+    for node in saved_values(graph):
+        val, output = node.meta.get("val"), output_of(node)
+        # (a size that is not a plain int, in a graph planned symbolically, is not counted)
+        if isinstance(val, torch.Tensor) and is_placements(output) and \
+                all(isinstance(s, int) for s in val.shape):
+            total += nbytes(_walk_shape(tuple(val.shape), list(output), mesh_shape), val.dtype)
+    return total

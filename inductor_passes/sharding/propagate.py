@@ -29,13 +29,13 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial
 
 from ..core import roles
-from ..core.errors import user_source
+from ..core.errors import DistCompileError, user_source
 from ..core.mesh_facts import axis_weights
 from ..core.nodes import frozen_graph
 from ..core.placements import (Placements, fmt, is_placements, is_split, nbytes, nonpartial,
                                replicate, returnable, strided_factors)
 from .config import DEFAULT, PlanMethod, PlannerConfig
-from .cost import redistribute_cost
+from .cost import redistribute_cost, saved_bytes, saved_memory_cost, saved_values
 from .repeats import LocalKeys, repeat_classes
 from .rules import embedding
 from .rules import (GETITEM, OpSpec, RuleKind, RuleSource, Strided, node_cost, op_strategy,
@@ -88,12 +88,18 @@ class Plan:
     fallbacks: list[str]
     total_cost: float = 0.0   # sum of redistribute costs paid (bytes-equivalent)
     stages: list[PlanStage] = dataclasses.field(default_factory=list)
+    saved_bytes: int | None = None  # kept for the backward per rank (``cost.saved_bytes``)
+    saved_memory_weight: float = 0.0  # the price it was planned at (a budget may raise it)
 
     def placement(self, name: str):
         return self.nodes[name].output
 
     def to_text(self) -> str:
         lines = [f"# plan over mesh {dict(zip(self.axis_names, self.mesh_shape))}"]
+        if self.saved_bytes is not None:
+            lines.append(f"# kept for the backward: {self.saved_bytes} bytes per rank "
+                         f"(before recomputation; saved_memory_weight "
+                         f"{self.saved_memory_weight:g})")
         for p in self.nodes.values():
             ins = " ".join(fmt(i) for i in p.inputs)
             if p.output is None or is_placements(p.output):
@@ -105,13 +111,72 @@ class Plan:
         return "\n".join(lines)
 
 
-def propagate(*args, **kwargs) -> Plan:
-    """See ``_propagate``; logs each replicated fallback of the final plan once."""
-    with frozen_graph():  # planning reads the graph, never edits it
-        plan = _propagate(*args, **kwargs)
+def propagate(gm: fx.GraphModule, mesh, *args, config: PlannerConfig = DEFAULT,
+              **kwargs) -> Plan:
+    """See ``_propagate``; the plan records the bytes it keeps for the backward per rank
+    (``Plan.saved_bytes``) and, under ``config.saved_memory_budget_bytes``, fits it (see
+    ``_fit_budget``: raises DistCompileError where no plan found does). Logs each replicated
+    fallback of the final plan once."""
+    mesh_shape = tuple(mesh.shape)
+
+    def plan_at(weight: float) -> Plan:
+        cfg = dataclasses.replace(config, saved_memory_weight=weight)
+        with frozen_graph():  # planning reads the graph, never edits it
+            plan = _propagate(gm, mesh, *args, config=cfg, **kwargs)
+        plan.saved_bytes = saved_bytes(gm.graph, lambda n: _output(plan, n), mesh_shape)
+        plan.saved_memory_weight = weight
+        return plan
+
+    plan = plan_at(config.saved_memory_weight)
+    budget = config.saved_memory_budget_bytes
+    if budget and plan.saved_bytes > budget:
+        plan = _fit_budget(plan_at, plan, config.saved_memory_weight, budget, mesh)
     for msg in plan.fallbacks:
         log.warning("dynamo_dist: %s", msg)
     return plan
+
+
+_MAX_WEIGHT = 1e4  # bytes on the wire per saved byte: past this, memory is all that counts
+
+
+def _output(plan: Plan, node: fx.Node):
+    found = plan.nodes.get(node.name)
+    return None if found is None else found.output
+
+
+def _fit_budget(plan_at: Callable[[float], Plan], over: Plan, weight: float, budget: float,
+                mesh) -> Plan:
+    """The plan at the least ``saved_memory_weight`` tried whose saved bytes fit ``budget``:
+    tenfold steps from 0.01 (or from ``weight``) up to ``_MAX_WEIGHT``, then two bisections
+    (geometric) between the last weight over and the first that fits. Raises
+    DistCompileError naming the least bytes found when none fits."""
+    low, step = weight, max(weight * 10, 0.01)
+    fit = None
+    while step <= _MAX_WEIGHT:
+        trial = plan_at(step)
+        if trial.saved_bytes <= budget:
+            fit = (step, trial)
+            break
+        low, over = step, trial
+        step *= 10
+    if fit is None:
+        raise DistCompileError(
+            f"no plan keeps at most {int(budget)} bytes per rank for the backward "
+            f"(saved_memory_budget_bytes); the least found keeps {over.saved_bytes} "
+            f"(saved_memory_weight {low:g}, counted before the partitioner's recomputation)",
+            mesh=mesh, fix="raise the budget, split the model over more ranks, or checkpoint "
+                           "layers (torch.utils.checkpoint) so that fewer values are saved")
+    for _ in range(2):
+        mid = (low * fit[0]) ** 0.5 if low > 0 else fit[0] / 10
+        trial = plan_at(mid)
+        if trial.saved_bytes <= budget:
+            fit = (mid, trial)
+        else:
+            low = mid
+    log.info("dynamo_dist: saved-memory budget %d bytes per rank: plan at saved_memory_weight "
+             "%.3g keeps %d (unpriced: %d)", budget, fit[0], fit[1].saved_bytes,
+             over.saved_bytes)
+    return fit[1]
 
 
 def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements],
@@ -417,6 +482,7 @@ class _Walk:
         self.constraint_of = constraint_of
         self.origins = origins
         self.bwd = roles.tangent_dependent(gm.graph)
+        self.saved = saved_values(gm.graph) if config.saved_memory_weight else frozenset()
         self.price = EdgePricer(gm, mesh, origins, data_axes, greedy=True, config=config)
         self.data_idx = _data_idx(mesh, data_axes)
         self.strategies: dict[tuple, list[OpSpec]] = {}
@@ -498,6 +564,8 @@ class _Walk:
                     debt(a, r) for a, c, r in zip(targs, current, spec.inputs)
                     if r == c and _has_partial(r) and len(a.users) == 1)
                 cost += node_cost(node, spec, mesh_shape, self.config)
+                if node in self.saved:
+                    cost += saved_memory_cost(node, spec.output, mesh_shape, self.config)
                 # ties: fewer new redistributes, then no pending reduction. (Preferring the more
                 # sharded output here slices replicated activations for free and pays gathers
                 # later; DTensor's eager choice, keep the inputs' placements, is the better bet.)

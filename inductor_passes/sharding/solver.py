@@ -21,7 +21,8 @@
   (``rules.node_cost``: matmul, fused-attention and convolution compute per rank, collectives
   inside an op) + the cost of bringing each graph output to its required placement (forward
   outputs: ``returnable``, never Partial nor unevenly split; gradients in their parameter's
-  placement).
+  placement) + the memory each rank keeps for the backward under each OpSpec
+  (``cost.saved_memory_cost``, where ``PlannerConfig.saved_memory_weight`` prices it).
 
 Repeated layers: nodes of one ``repeats.repeat_classes`` class with equal option lists share
 the first member's x (``owner``); flow blocks are keyed by owners, and values whose consumer
@@ -47,6 +48,7 @@ from ..core import roles
 from ..core.annotation_ops import CONSTRAINT_OP
 from ..core.placements import Placements, is_placements, replicate, returnable, strided_factors
 from .config import DEFAULT, PlannerConfig
+from .cost import saved_memory_cost, saved_values
 from .rules import (GETITEM, OpSpec, RuleKind, Strided, has_node_cost, node_cost, op_strategy,
                     replicated_spec, tensor_args)
 from .rules.strided import NONE as NO_STRIDED
@@ -108,6 +110,7 @@ class ShardingILP:
                  classes: dict[fx.Node, int] | None = None,
                  price_key: Callable[[fx.Node], object] | None = None) -> None:
         self.keep, self.config = keep, config
+        self._saved = saved_values(gm.graph) if config.saved_memory_weight else frozenset()
         # OpStrategies depend only on the node's local key (``repeats.LocalKeys``: layer 17's
         # mm has layer 3's key), its inputs' placements, the mesh, constraints and ``keep``: the
         # caller shares this cache between ILPs that agree on those (the descent re-solves one
@@ -420,6 +423,13 @@ class ShardingILP:
             if n.op == "call_function" and has_node_cost(n):
                 for s, spec in enumerate(self.options[n]):
                     cost[xi[(own[n], s)]] += node_cost(n, spec, self.mesh_shape, self.config)
+        # memory: the bytes each rank keeps for the backward (``cost.saved_values``), added in
+        # graph order (a float sum per owner: the same on every rank and every run)
+        for n in nodes:
+            if n in self._saved:
+                for s, spec in enumerate(self.options[n]):
+                    cost[xi[(own[n], s)]] += saved_memory_cost(n, spec.output, self.mesh_shape,
+                                                               self.config)
         for i, o in enumerate(self.outs):
             if not isinstance(o, fx.Node) or o not in self.options:
                 continue
