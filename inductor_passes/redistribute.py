@@ -92,6 +92,17 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return c10d.wait_tensor(t)
 
 
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """A bool value travels as uint8 (the same bytes): Inductor's C++ backend types a bool
+    collective's output as int64 where a vectorized ``where`` reads it as its condition, and
+    fails to compile (a gathered ReLU mask; torch 2.13). ``_as_sent`` undoes it."""
+    return x.to(torch.uint8) if x.dtype == torch.bool else x
+
+
+def _as_sent(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return out.to(torch.bool) if x.dtype == torch.bool else out
+
+
 def _pad_to(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     """``x`` with zeros appended along ``dim`` up to ``size`` (always one op, maybe of width 0)."""
     pad = [0, 0] * (x.dim() - 1 - dim) + [0, size - x.shape[dim]]
@@ -107,7 +118,8 @@ def all_gather(x: torch.Tensor, dim: int, ax: AxisGroup, record: Record,
         x = _pad_to(x, dim, step)
     record("all_gather", ax, x)
     moved = x.movedim(dim, 0).contiguous() if dim != 0 else x.contiguous()
-    out = _wait(c10d.all_gather_into_tensor(moved, ax.size, ax.group_name))
+    out = _as_sent(_wait(c10d.all_gather_into_tensor(_as_bytes(moved), ax.size,
+                                                     ax.group_name)), x)
     out = out.narrow(0, 0, size) if uneven else out
     # contiguous, as DTensor's gather (a cat) is: some kernels read a layout they assume
     # (fractional_max_pool3d_backward took permuted indices for contiguous ones)
@@ -149,7 +161,8 @@ def all_to_all(x: torch.Tensor, src: int, dst: int, ax: AxisGroup, record: Recor
     record("all_to_all", ax, x)
     send = torch.stack(torch.chunk(x, ax.size, dim=dst)).contiguous()
     split = [1] * ax.size
-    recv = _wait(c10d.all_to_all_single(send, split, split, ax.group_name))
+    recv = _as_sent(_wait(c10d.all_to_all_single(_as_bytes(send), split, split,
+                                                 ax.group_name)), x)
     out = torch.cat(torch.unbind(recv, 0), dim=src)
     if uneven:  # pieces before the last non-empty one are full, so the padding is at the end
         out = out.narrow(src, 0, src_size)
