@@ -75,11 +75,12 @@ class PlannerConfig:
     reads it; priced, the planner splits it where a collective costs less than that memory
     (sequence parallelism, Korthikanti et al. 2022, is the textbook trade). 0 turns it off.
     ``saved_memory_budget_bytes``: at most this many bytes kept for the backward per rank
-    (``cost.saved_bytes`` of the plan; 0: no budget). A plan over it is planned again with
-    ``saved_memory_weight`` raised tenfold (from 0.01) until one fits, then bisected twice
-    towards the least weight that fits: a Lagrangian relaxation of the budget, each plan
-    optimal for its own price (the trade is monotone in the weight), not the constrained
-    optimum. Each try is a whole planning. ``propagate`` raises DistCompileError when even
+    (``cost.saved_bytes`` of the plan; 0: no budget). A row of the whole-program ILP, whose
+    answer is then the constrained optimum. A plan still over it (an N-D program too large for
+    one ILP, or no plan fits the row) is planned again with ``saved_memory_weight`` raised
+    tenfold (from 0.01) until one fits, then bisected twice towards the least weight that
+    fits: a Lagrangian relaxation, each plan optimal for its own price (the trade is monotone
+    in the weight), each try a whole planning. ``propagate`` raises DistCompileError when even
     weight 1e4 does not fit.
     """
 

@@ -203,29 +203,29 @@ def _storage_base(node):
     return node
 
 
+def held_bytes(node, output, mesh_shape: Sequence[int]) -> int:
+    """Bytes one rank holds of ``node``'s value under ``output`` placements: its largest local
+    piece (a Partial value is held whole). 0 for a non-tensor value or a size that is not an int
+    (a symbolic program is planned at its hints, so its sizes are ints)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not is_placements(output) or \
+            not all(isinstance(s, int) for s in val.shape):
+        return 0
+    return nbytes(_walk_shape(tuple(val.shape), list(output), mesh_shape), val.dtype)
+
+
 def saved_memory_cost(node, output, mesh_shape: Sequence[int],
                       config: PlannerConfig = DEFAULT) -> float:
-    """``config.saved_memory_weight`` x the bytes one rank holds of ``node``'s value (a member of
-    ``saved_values``) under ``output`` placements: its largest local piece (a Partial value is
-    held whole). 0 for a non-tensor value or a size that is not an int."""
-    val = node.meta.get("val")
-    if not config.saved_memory_weight or not isinstance(val, torch.Tensor) or \
-            not is_placements(output) or not all(isinstance(s, int) for s in val.shape):
-        return 0.0  # (a symbolic program is planned at its hints: its sizes are ints)
-    return config.saved_memory_weight * nbytes(
-        _walk_shape(tuple(val.shape), list(output), mesh_shape), val.dtype)
+    """``config.saved_memory_weight`` x ``held_bytes``: the price of keeping ``node``'s value (a
+    member of ``saved_values``) for the backward under ``output`` placements."""
+    if not config.saved_memory_weight:
+        return 0.0
+    return config.saved_memory_weight * held_bytes(node, output, mesh_shape)
 
 
 def saved_bytes(graph, output_of, mesh_shape: Sequence[int]) -> int:
-    """Bytes one rank keeps for the backward under a plan: the largest local piece of every
+    """Bytes one rank keeps for the backward under a plan: ``held_bytes`` of every
     ``saved_values`` member, ``output_of(node)`` giving its placements (a plan's output for
     it). What ``saved_memory_cost`` prices at weight 1, before the partitioner's
     recomputation."""
-    total = 0
-    for node in saved_values(graph):
-        val, output = node.meta.get("val"), output_of(node)
-        # (a size that is not a plain int, in a graph planned symbolically, is not counted)
-        if isinstance(val, torch.Tensor) and is_placements(output) and \
-                all(isinstance(s, int) for s in val.shape):
-            total += nbytes(_walk_shape(tuple(val.shape), list(output), mesh_shape), val.dtype)
-    return total
+    return sum(held_bytes(node, output_of(node), mesh_shape) for node in saved_values(graph))

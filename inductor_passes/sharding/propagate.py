@@ -114,22 +114,25 @@ class Plan:
 def propagate(gm: fx.GraphModule, mesh, *args, config: PlannerConfig = DEFAULT,
               **kwargs) -> Plan:
     """See ``_propagate``; the plan records the bytes it keeps for the backward per rank
-    (``Plan.saved_bytes``) and, under ``config.saved_memory_budget_bytes``, fits it (see
-    ``_fit_budget``: raises DistCompileError where no plan found does). Logs each replicated
-    fallback of the final plan once."""
+    (``Plan.saved_bytes``). Under ``config.saved_memory_budget_bytes`` the budget is a row of
+    the whole-program ILP (the constrained optimum, as AutoParallel bounds parameter memory);
+    a plan still over it (the program too large for one ILP, or none fits) is fitted by
+    pricing (``_fit_budget``: raises DistCompileError where no plan found fits). Logs each
+    replicated fallback of the final plan once."""
     mesh_shape = tuple(mesh.shape)
 
-    def plan_at(weight: float) -> Plan:
-        cfg = dataclasses.replace(config, saved_memory_weight=weight)
+    def plan_at(weight: float, budget: float = 0.0) -> Plan:
+        cfg = dataclasses.replace(config, saved_memory_weight=weight,
+                                  saved_memory_budget_bytes=budget)
         with frozen_graph():  # planning reads the graph, never edits it
             plan = _propagate(gm, mesh, *args, config=cfg, **kwargs)
         plan.saved_bytes = saved_bytes(gm.graph, lambda n: _output(plan, n), mesh_shape)
         plan.saved_memory_weight = weight
         return plan
 
-    plan = plan_at(config.saved_memory_weight)
     budget = config.saved_memory_budget_bytes
-    if budget and plan.saved_bytes > budget:
+    plan = plan_at(config.saved_memory_weight, budget)
+    if budget and plan.saved_bytes > budget:  # priced again, with no row
         plan = _fit_budget(plan_at, plan, config.saved_memory_weight, budget, mesh)
     for msg in plan.fallbacks:
         log.warning("dynamo_dist: %s", msg)
@@ -150,7 +153,7 @@ def _fit_budget(plan_at: Callable[[float], Plan], over: Plan, weight: float, bud
     tenfold steps from 0.01 (or from ``weight``) up to ``_MAX_WEIGHT``, then two bisections
     (geometric) between the last weight over and the first that fits. Raises
     DistCompileError naming the least bytes found when none fits."""
-    low, step = weight, max(weight * 10, 0.01)
+    low, step, unpriced = weight, max(weight * 10, 0.01), over.saved_bytes
     fit = None
     while step <= _MAX_WEIGHT:
         trial = plan_at(step)
@@ -174,8 +177,8 @@ def _fit_budget(plan_at: Callable[[float], Plan], over: Plan, weight: float, bud
         else:
             low = mid
     log.info("dynamo_dist: saved-memory budget %d bytes per rank: plan at saved_memory_weight "
-             "%.3g keeps %d (unpriced: %d)", budget, fit[0], fit[1].saved_bytes,
-             over.saved_bytes)
+             "%.3g keeps %d (at %g: %d)", budget, fit[0], fit[1].saved_bytes, weight,
+             unpriced)
     return fit[1]
 
 
@@ -217,8 +220,10 @@ def _propagate(gm: fx.GraphModule, mesh, primal_placements: Sequence[Placements]
         # shared by the ILPs on this mesh
         memo = _Memo(EdgePricer(gm, mesh, origins, data_axes, config=config), keys, classes)
         max_vars = config.joint_max_vars if ndim > 1 else config.axis_max_vars
+        # a saved-memory budget is a row of this ILP only: where the whole program is one ILP
+        # its optimum is the constrained one; elsewhere ``propagate`` meets it by pricing
         plan = _timed(stages, "joint N-D ILP" if ndim > 1 else "ILP", _solve_ilp, *args,
-                      memo=memo, max_vars=max_vars)
+                      memo=memo, max_vars=max_vars, budget=config.saved_memory_budget_bytes)
         if plan is not None:
             plan.stages = stages
             return plan
@@ -394,7 +399,8 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
                constraint_of, origins, data_axes, config, base=None,
                free_axis=None, memo: _Memo | None = None,
                max_vars: int | None = None, classes: dict | None = None,
-               keys: LocalKeys | None = None, valid_base: bool = True) -> Plan | None:
+               keys: LocalKeys | None = None, valid_base: bool = True,
+               budget: float = 0.0) -> Plan | None:
     mesh_shape = tuple(mesh.shape)
     memo = memo or _Memo(EdgePricer(gm, mesh, origins, data_axes, config=config),
                          keys or LocalKeys(gm, constraint_of), classes or {})
@@ -416,7 +422,8 @@ def _solve_ilp(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs, grad_
                       keep=lambda n, sp: data_parallel_ok(n, sp, bwd, data_idx),
                       strategy_cache=memo.strategies, config=config,
                       max_vars=config.axis_max_vars if max_vars is None else max_vars,
-                      keys=memo.keys, classes=memo.classes, price_key=price.key)
+                      keys=memo.keys, classes=memo.classes, price_key=price.key,
+                      budget=budget)
     sol = ilp.solve(config.ilp_time_limit_s)
     if sol is None:
         return None

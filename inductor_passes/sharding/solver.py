@@ -48,7 +48,7 @@ from ..core import roles
 from ..core.annotation_ops import CONSTRAINT_OP
 from ..core.placements import Placements, is_placements, replicate, returnable, strided_factors
 from .config import DEFAULT, PlannerConfig
-from .cost import saved_memory_cost, saved_values
+from .cost import held_bytes, saved_memory_cost, saved_values
 from .rules import (GETITEM, OpSpec, RuleKind, Strided, has_node_cost, node_cost, op_strategy,
                     replicated_spec, tensor_args)
 from .rules.strided import NONE as NO_STRIDED
@@ -108,9 +108,13 @@ class ShardingILP:
                  config: PlannerConfig = DEFAULT,
                  keys: Callable[[fx.Node], object] | None = None,
                  classes: dict[fx.Node, int] | None = None,
-                 price_key: Callable[[fx.Node], object] | None = None) -> None:
+                 price_key: Callable[[fx.Node], object] | None = None,
+                 budget: float = 0.0) -> None:
         self.keep, self.config = keep, config
-        self._saved = saved_values(gm.graph) if config.saved_memory_weight else frozenset()
+        # ``budget``: at most this many bytes kept for the backward per rank (0: none), a row
+        self.budget = budget
+        self._saved = saved_values(gm.graph) if config.saved_memory_weight or budget \
+            else frozenset()
         # OpStrategies depend only on the node's local key (``repeats.LocalKeys``: layer 17's
         # mm has layer 3's key), its inputs' placements, the mesh, constraints and ``keep``: the
         # caller shares this cache between ILPs that agree on those (the descent re-solves one
@@ -423,13 +427,21 @@ class ShardingILP:
             if n.op == "call_function" and has_node_cost(n):
                 for s, spec in enumerate(self.options[n]):
                     cost[xi[(own[n], s)]] += node_cost(n, spec, self.mesh_shape, self.config)
-        # memory: the bytes each rank keeps for the backward (``cost.saved_values``), added in
-        # graph order (a float sum per owner: the same on every rank and every run)
+        # memory: the bytes each rank keeps for the backward (``cost.saved_values``), priced
+        # and/or bounded, added in graph order (a float sum per owner: the same on every rank
+        # and every run)
+        held: dict[int, float] = {}
         for n in nodes:
             if n in self._saved:
                 for s, spec in enumerate(self.options[n]):
                     cost[xi[(own[n], s)]] += saved_memory_cost(n, spec.output, self.mesh_shape,
                                                                self.config)
+                    if self.budget:
+                        col = xi[(own[n], s)]
+                        held[col] = held.get(col, 0.0) + held_bytes(n, spec.output,
+                                                                    self.mesh_shape)
+        if self.budget:
+            add_row([(c, b) for c, b in held.items() if b], -np.inf, self.budget)
         for i, o in enumerate(self.outs):
             if not isinstance(o, fx.Node) or o not in self.options:
                 continue
@@ -444,6 +456,10 @@ class ShardingILP:
                    integrality=integrality, bounds=Bounds(0, 1),
                    options={"time_limit": time_limit, "presolve": True})
         seconds = time.perf_counter() - t0
+        if res.status == 2 and self.budget:
+            log.info("dynamo_dist: no plan of this ILP keeps at most %d bytes for the backward "
+                     "per rank (%.1fs)", self.budget, seconds)
+            return None
         if res.status != 0 or res.x is None:  # only a proven optimum is worth more than greedy
             log.warning("dynamo_dist: sharding ILP not solved to optimality (%s) in %.1fs "
                         "(%d variables)", res.message, seconds, n_var)
