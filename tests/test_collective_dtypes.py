@@ -4,10 +4,14 @@ compile a gathered ReLU mask), and arrives with its values on every rank."""
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dynamo_dist import compile_records, with_sharding_constraint
 from dynamo_dist.testing.conformance.simulate import run_spmd
+from inductor_passes.core.placements import valid_for
+from tests.test_strided import SS, _check_redistribute, _redistribute_on_ranks
 
 
 def _masked_sum(mesh, src, dst):
@@ -33,3 +37,22 @@ def test_a_bool_mask_is_moved_and_compiled(fake_mesh, src, dst, kind):
     record = compile_records()[-1]
     (got,), _ = run_spmd(record, [x, y], None, mesh)  # every rank's program, run
     torch.testing.assert_close(got, torch.where(x > 0, 0.0, y / 16).sum(dim=(0, 2, 3)))
+
+
+_PLACEMENT = st.sampled_from([Replicate(), Shard(0), Shard(1), SS(0, 2), SS(1, 3)])
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(src=st.tuples(_PLACEMENT, _PLACEMENT), dst=st.tuples(_PLACEMENT, _PLACEMENT),
+       last=st.sampled_from([5, 12]))
+def test_bool_redistributes_match_the_definition(fake_mesh, src, dst, last):
+    """Every move of a bool value between split/replicated placements on a 2 x 2 mesh, even and
+    uneven pieces: each rank holds exactly its piece of the definition, one ledger record per
+    collective (``test_strided``'s check, on bools), and every piece still a bool."""
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    full = torch.randn(12, 12, last) > 0
+    assume(valid_for(full.shape, src, (2, 2)) and valid_for(full.shape, dst, (2, 2)))
+    _check_redistribute(mesh, full, src, dst)
+    got, _, _ = _redistribute_on_ranks(mesh, full, src, dst)
+    assert all(x.dtype == torch.bool for x in got.values())
