@@ -29,10 +29,14 @@ class SmallMLP(torch.nn.Module):
 def sharded_llama(mesh, size):
     """The test Llama of ``size`` (``LlamaSize``), Megatron on the mesh's ``tp`` axis and FSDP on
     its ``dp`` axis (the stock planners), its parameters made DTensors on ``mesh``."""
-    from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
     from dynamo_dist.testing.models import build_llama
 
-    model = build_llama(size)
+    return _shard_llama(build_llama(size), mesh)
+
+
+def _shard_llama(model, mesh):
+    from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
+
     names = mesh.mesh_dim_names
     plan = TensorParallelPlanner(axis="tp").build_plan(model) if "tp" in names else None
     if "dp" in names:
@@ -40,6 +44,24 @@ def sharded_llama(mesh, size):
             model, plan)
     shard_module(model, mesh, plan)
     return model
+
+
+def simulated_llama(rt, axes: dict, size):
+    """(reference, model): the test Llama of ``size`` built from seed 0 on one process, and a
+    copy sharded as ``sharded_llama`` shards it on the simulated ranks of ``rt`` (a
+    ``SimRuntime``) over a mesh of ``axes`` (name -> size)."""
+    import copy
+
+    from dynamo_dist.testing.models import build_llama
+
+    mesh = rt.setup(axes)
+    torch.manual_seed(0)
+    ref = build_llama(size)
+    model = copy.deepcopy(ref)
+    with rt.eager():
+        _shard_llama(model, mesh)
+        rt.localize(model)
+    return ref, model
 
 
 def lm_steps_at_parity(compiled, model, ref, rt, batches) -> None:

@@ -3,8 +3,6 @@
 for a collective's latency: sequence parallelism), that the trade is monotone in the weight,
 that a budget is kept or refused, and that the plans it makes train at parity."""
 
-import copy
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -13,8 +11,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dynamo_dist import compile_records
-from dynamo_dist.plans import TensorParallelPlanner, shard_module
-from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
+from dynamo_dist.testing.models import LlamaSize, token_batch
 from dynamo_dist.testing.zoo.cell import SimRuntime
 from inductor_passes.core import roles
 from inductor_passes.core.errors import DistCompileError
@@ -22,7 +19,7 @@ from inductor_passes.sharding.config import PlannerConfig
 from inductor_passes.sharding.cost import saved_bytes, saved_values
 from inductor_passes.sharding.propagate import propagate
 
-from conftest import lm_steps_at_parity
+from conftest import lm_steps_at_parity, simulated_llama
 
 R = Replicate()
 
@@ -200,23 +197,12 @@ def test_a_memory_priced_llama_trains_at_parity(shape):
     process's on simulated ranks (every rank's local graph, run as FX); it keeps fewer bytes
     for the backward and runs more collectives than the unpriced plan. (Under Inductor on real
     gloo ranks: the zoo with ``DYNAMO_DIST_PLANNER=saved_memory_weight=100``.)"""
-    from dynamo_dist.plans import DataParallelPlanner
-
     size = LlamaSize(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256,
                      seq=16, batch=4)
     records = []
     for weight in (0.0, 100.0):
         rt = SimRuntime()
-        mesh = rt.setup(shape)
-        torch.manual_seed(0)
-        ref = build_llama(size)
-        model = copy.deepcopy(ref)
-        with rt.eager():
-            plan = TensorParallelPlanner(axis="tp").build_plan(model)
-            if "dp" in shape:
-                plan = DataParallelPlanner(axis="dp", mesh_axis_size=2).build_plan(model, plan)
-            shard_module(model, mesh, plan)
-            rt.localize(model)
+        ref, model = simulated_llama(rt, shape, size)
         options = {**rt.options(), "planner": PlannerConfig(saved_memory_weight=weight)}
         compiled = torch.compile(model, backend="dist", options=options)
         if weight:

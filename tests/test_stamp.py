@@ -2,8 +2,6 @@
 exactly what lowering it node by node makes (same ops, arguments, values, module stacks, tags
 and collectives, in the same order), and a model whose layers are copied trains at parity."""
 
-import copy
-
 import pytest
 import torch
 import torch.fx as fx
@@ -13,12 +11,11 @@ from hypothesis import strategies as st
 import dynamo_dist.backend as backend
 import dynamo_dist.simulate as simulate
 from dynamo_dist import compile_records
-from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
-from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
+from dynamo_dist.testing.models import LlamaSize, token_batch
 from dynamo_dist.testing.zoo.cell import SimRuntime
 from inductor_passes import stamp
 
-from conftest import lm_steps_at_parity, sharded_llama
+from conftest import lm_steps_at_parity, sharded_llama, simulated_llama
 
 
 _BACKEND_LOWER = backend.lower
@@ -128,17 +125,9 @@ def test_a_model_with_copied_layers_trains_at_parity(fake_mesh, monkeypatch):
     lowered with copies): two steps' losses and gradients equal one process's."""
     seen = _lowered(monkeypatch, simulate)
     rt = SimRuntime()
-    mesh = rt.setup({"dp": 2, "tp": 2})
     size = LlamaSize(layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256,
                      seq=16, batch=4)
-    torch.manual_seed(0)
-    ref = build_llama(size)
-    model = copy.deepcopy(ref)
-    with rt.eager():
-        plan = TensorParallelPlanner(axis="tp").build_plan(model)
-        plan = DataParallelPlanner(axis="dp", mesh_axis_size=2).build_plan(model, plan)
-        shard_module(model, mesh, plan)
-        rt.localize(model)
+    ref, model = simulated_llama(rt, {"dp": 2, "tp": 2}, size)
     compiled = torch.compile(model, backend="dist", options=rt.options())
     lm_steps_at_parity(compiled, model, ref, rt, [token_batch(size, step) for step in range(2)])
     assert len(compile_records()) == 1

@@ -206,7 +206,8 @@ def _storage_base(node):
 def held_bytes(node, output, mesh_shape: Sequence[int]) -> int:
     """Bytes one rank holds of ``node``'s value under ``output`` placements: its largest local
     piece (a Partial value is held whole). 0 for a non-tensor value or a size that is not an int
-    (a symbolic program is planned at its hints, so its sizes are ints)."""
+    (a symbolic program is planned at its hints, so its sizes are ints). The planner prices it
+    at ``PlannerConfig.saved_memory_weight`` for a member of ``saved_values``."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or not is_placements(output) or \
             not all(isinstance(s, int) for s in val.shape):
@@ -214,18 +215,8 @@ def held_bytes(node, output, mesh_shape: Sequence[int]) -> int:
     return nbytes(_walk_shape(tuple(val.shape), list(output), mesh_shape), val.dtype)
 
 
-def saved_memory_cost(node, output, mesh_shape: Sequence[int],
-                      config: PlannerConfig = DEFAULT) -> float:
-    """``config.saved_memory_weight`` x ``held_bytes``: the price of keeping ``node``'s value (a
-    member of ``saved_values``) for the backward under ``output`` placements."""
-    if not config.saved_memory_weight:
-        return 0.0
-    return config.saved_memory_weight * held_bytes(node, output, mesh_shape)
-
-
 def saved_bytes(graph, output_of, mesh_shape: Sequence[int]) -> int:
     """Bytes one rank keeps for the backward under a plan: ``held_bytes`` of every
     ``saved_values`` member, ``output_of(node)`` giving its placements (a plan's output for
-    it). What ``saved_memory_cost`` prices at weight 1, before the partitioner's
-    recomputation."""
+    it), before the partitioner's recomputation."""
     return sum(held_bytes(node, output_of(node), mesh_shape) for node in saved_values(graph))

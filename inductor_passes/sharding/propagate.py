@@ -35,7 +35,7 @@ from ..core.nodes import frozen_graph
 from ..core.placements import (Placements, fmt, is_placements, is_split, nbytes, nonpartial,
                                replicate, returnable, strided_factors)
 from .config import DEFAULT, PlanMethod, PlannerConfig
-from .cost import redistribute_cost, saved_bytes, saved_memory_cost, saved_values
+from .cost import held_bytes, redistribute_cost, saved_bytes, saved_values
 from .repeats import LocalKeys, repeat_classes
 from .rules import embedding
 from .rules import (GETITEM, OpSpec, RuleKind, RuleSource, Strided, node_cost, op_strategy,
@@ -572,7 +572,8 @@ class _Walk:
                     if r == c and _has_partial(r) and len(a.users) == 1)
                 cost += node_cost(node, spec, mesh_shape, self.config)
                 if node in self.saved:
-                    cost += saved_memory_cost(node, spec.output, mesh_shape, self.config)
+                    cost += self.config.saved_memory_weight * held_bytes(node, spec.output,
+                                                                         mesh_shape)
                 # ties: fewer new redistributes, then no pending reduction. (Preferring the more
                 # sharded output here slices replicated activations for free and pays gathers
                 # later; DTensor's eager choice, keep the inputs' placements, is the better bet.)

@@ -22,7 +22,8 @@
   inside an op) + the cost of bringing each graph output to its required placement (forward
   outputs: ``returnable``, never Partial nor unevenly split; gradients in their parameter's
   placement) + the memory each rank keeps for the backward under each OpSpec
-  (``cost.saved_memory_cost``, where ``PlannerConfig.saved_memory_weight`` prices it).
+  (``cost.held_bytes`` of each ``cost.saved_values`` member x
+  ``PlannerConfig.saved_memory_weight``).
 
 Repeated layers: nodes of one ``repeats.repeat_classes`` class with equal option lists share
 the first member's x (``owner``); flow blocks are keyed by owners, and values whose consumer
@@ -48,7 +49,7 @@ from ..core import roles
 from ..core.annotation_ops import CONSTRAINT_OP
 from ..core.placements import Placements, is_placements, replicate, returnable, strided_factors
 from .config import DEFAULT, PlannerConfig
-from .cost import held_bytes, saved_memory_cost, saved_values
+from .cost import held_bytes, saved_values
 from .rules import (GETITEM, OpSpec, RuleKind, Strided, has_node_cost, node_cost, op_strategy,
                     replicated_spec, tensor_args)
 from .rules.strided import NONE as NO_STRIDED
@@ -430,16 +431,13 @@ class ShardingILP:
         # memory: the bytes each rank keeps for the backward (``cost.saved_values``), priced
         # and/or bounded, added in graph order (a float sum per owner: the same on every rank
         # and every run)
-        held: dict[int, float] = {}
+        held: dict[int, float] = {}  # per choice column: bytes kept (the budget's row)
         for n in nodes:
             if n in self._saved:
                 for s, spec in enumerate(self.options[n]):
-                    cost[xi[(own[n], s)]] += saved_memory_cost(n, spec.output, self.mesh_shape,
-                                                               self.config)
-                    if self.budget:
-                        col = xi[(own[n], s)]
-                        held[col] = held.get(col, 0.0) + held_bytes(n, spec.output,
-                                                                    self.mesh_shape)
+                    col, b = xi[(own[n], s)], held_bytes(n, spec.output, self.mesh_shape)
+                    cost[col] += self.config.saved_memory_weight * b
+                    held[col] = held.get(col, 0.0) + b
         if self.budget:
             add_row([(c, b) for c, b in held.items() if b], -np.inf, self.budget)
         for i, o in enumerate(self.outs):
