@@ -135,7 +135,7 @@ def inductor_config(gm: fx.GraphModule) -> dict:
     def bucket(graph) -> None:
         compat.bucket_collectives(graph.owning_module, cap, _layer)
 
-    return compat.post_grad_pass(bucket, ("layer-buckets-1", cap.args[0], _fingerprint(gm)))
+    return compat.post_grad_pass(bucket, ("layer-buckets-2", cap.args[0], _fingerprint(gm)))
 
 
 def predicted_buckets(gm: fx.GraphModule) -> dict[str, list[int]]:

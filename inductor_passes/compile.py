@@ -16,7 +16,7 @@ from inductor_passes.core import compat
 from inductor_passes.core import inductor_fix  # noqa: F401  (installs the fix on import)
 from inductor_passes.core.collectives import collective_kind
 
-from . import comm, dedup, memory, outline, schedule
+from . import comm, dedup, memory, outline, prefetch, schedule
 from .align_saves import align_saves
 
 # Part of Inductor's FX-graph cache key for our compiles: an artifact compiled before
@@ -51,6 +51,8 @@ class CompiledJoint:
     outlined: list[outline.Outlined] = dataclasses.field(default_factory=list)
     # this rank's predicted peak bytes of one step, from the graphs before Inductor
     predicted_peak: memory.PeakEstimate | None = None
+    # the gathers ``prefetch`` issues one layer early, in the forward and the backward
+    prefetched: list[prefetch.Prefetched] = dataclasses.field(default_factory=list)
 
 
 def _example_inputs(gm: fx.GraphModule) -> list:
@@ -111,7 +113,8 @@ def _inductor(gm: fx.GraphModule, inputs: list, is_backward: bool, visible: int
         i for i, a in enumerate(out.args[0][:visible]) if isinstance(a, fx.Node)]
     fake_mode = compat.detect_fake_mode(inputs)
     with compat.tracing(compat.TracingContext(fake_mode)), \
-            compat.inductor_config_patch(comm.inductor_config(gm)), \
+            compat.inductor_config_patch({**comm.inductor_config(gm),
+                                          **prefetch.inductor_config(gm)}), \
             _cache_key_tagged(), \
             compat.reported_output_strides() as strides:
         compiled = compat.compile_fx_inner(gm, inputs, is_backward=is_backward)
@@ -179,13 +182,15 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
             outline.reduce_before_views(local_gm)  # partitioner compares layers (align_saves)
     if not has_backward:
         fw = _strip_grads(local_gm, num_fwd_outputs)
+        prefetched = [prefetch.prefetch_gathers(fw)]
         check([fw])
         counts = _counts([fw])
         peak = memory.predict_peak(fw, None, num_fwd_outputs)
         outlined: list = []
         forward, _, buckets = _compile(fw, inductor, False, num_fwd_outputs, None, outlined)
         return CompiledJoint(forward, None, num_fwd_outputs, 0, fw, None, buckets,
-                             _issued(counts, buckets), outlined=outlined, predicted_peak=peak)
+                             _issued(counts, buckets), outlined=outlined, predicted_peak=peak,
+                             prefetched=prefetched)
     _tag_forward(local_gm, num_fwd_outputs)
     partition = functools.partial(_partitioner(), local_gm, None, num_fwd_outputs=num_fwd_outputs,
                                   static=_static_inputs(local_gm, resident))
@@ -198,6 +203,8 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
         gm.recompile()
     # each gradient's reduce_scatter where the gradient is ready, not at the end of the backward
     schedule.land_outputs_early(bw_gm)
+    # each layer's parameter gathers issued during the layer before it (FSDP's prefetch)
+    prefetched = [prefetch.prefetch_gathers(gm) for gm in (fw_gm, bw_gm)]
     fw_out = next(iter(fw_gm.graph.find_nodes(op="output"))).args[0]
     num_saved = len(fw_out) - num_fwd_outputs
     check([fw_gm, bw_gm])
@@ -221,7 +228,7 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
     issued = _issued(counts, buckets)
     return CompiledJoint(forward, _sizes_first(backward, num_saved - sizes, sizes),
                          num_fwd_outputs, num_saved, fw_gm, bw_gm, buckets, issued, sizes,
-                         outlined, peak)
+                         outlined, peak, prefetched)
 
 
 def sizes_first(args: list, tensors: int, sizes: int) -> list:

@@ -57,7 +57,10 @@ _INDEX = re.compile(r"\.(\d+)(?=\.|\[|$)|\[(\d+)\]|\['(\d+)'\]")
 # the compiled frame's own source that a path starts with (``L['args'][0]``, ``G['model']``):
 # its subscripts are Python arguments, not module lists
 _ROOT = re.compile(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*")
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+# node meta key: a node of a layer that stays in the calling graph, never in the layer's body
+# (``prefetch``: a gather issued one layer early, and its wait)
+OUTSIDE = "dynamo_dist_outside_layer"
 _CONSTANTS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
               torch.memory_format)
 
@@ -206,10 +209,11 @@ class _Instance:
 def instances(gm: fx.GraphModule, include: Callable[[fx.Node], bool] = lambda n: True
               ) -> dict[Any, list[_Instance]]:
     """Instances grouped by (family, signature), in graph order; groups of one dropped. Only
-    the nodes ``include`` accepts make up an instance (``align_saves``: the forward part)."""
+    the nodes ``include`` accepts make up an instance (``align_saves``: the forward part), never
+    one marked ``OUTSIDE``."""
     members: dict[tuple[str, int], list[fx.Node]] = {}
     for node, key in assign_layers(gm).items():
-        if include(node):
+        if include(node) and not node.meta.get(OUTSIDE):
             members.setdefault(key, []).append(node)
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     groups: dict[Any, list[_Instance]] = {}
@@ -228,6 +232,12 @@ def instances(gm: fx.GraphModule, include: Callable[[fx.Node], bool] = lambda n:
 
 def _storage(value: Any) -> int | None:
     return value.untyped_storage()._cdata if isinstance(value, torch.Tensor) else None
+
+
+def storage_of(node: fx.Node) -> int | None:
+    """An id of the storage ``node``'s traced value lives in (views share their base's), or
+    None for a value that is not one tensor."""
+    return _storage(node.meta.get("val"))
 
 
 def _outputs_own_storage(inst: _Instance, outputs: list[int]) -> None:
@@ -322,7 +332,7 @@ def reduce_before_views(gm: fx.GraphModule) -> int:
         view = ar.args[0]
         wait = next(iter(ar.users))
         if not (isinstance(view, fx.Node) and view.op == "call_function" and view.target in _VIEWS
-                and len(view.users) == 1 and wait.target is _WAIT):
+                and len(view.users) == 1 and wait.target is WAIT):
             continue
         src = view.args[0]
         val = src.meta.get("val") if isinstance(src, fx.Node) else None
@@ -330,7 +340,7 @@ def reduce_before_views(gm: fx.GraphModule) -> int:
             continue
         with gm.graph.inserting_before(ar):
             new_ar = gm.graph.call_function(ar.target, (src, *ar.args[1:]), dict(ar.kwargs))
-            new_wait = gm.graph.call_function(_WAIT, (new_ar,))
+            new_wait = gm.graph.call_function(WAIT, (new_ar,))
             new_view = gm.graph.call_function(view.target, (new_wait, *view.args[1:]),
                                               dict(view.kwargs))
         new_ar.meta = {**ar.meta, "val": val}

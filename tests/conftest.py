@@ -26,6 +26,29 @@ class SmallMLP(torch.nn.Module):
         return self.fc2(torch.relu(self.fc1(x))).sum()
 
 
+class Block(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(torch.nn.Module):
+    """``layers`` blocks of 4 parameters in a ModuleList, then a head outside every layer."""
+
+    def __init__(self, d: int = 32, layers: int = 3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).square().mean()
+
+
 def sharded_llama(mesh, size):
     """The test Llama of ``size`` (``LlamaSize``), Megatron on the mesh's ``tp`` axis and FSDP on
     its ``dp`` axis (the stock planners), its parameters made DTensors on ``mesh``."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import Stack
 from dynamo_dist import compile_records
 from dynamo_dist.plans import DataParallelPlanner, shard_module
 from inductor_passes import comm
@@ -82,39 +83,18 @@ def test_bad_bucket_size_names_the_variable(monkeypatch):
         comm.bucket_cap_mb()
 
 
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Stack(nn.Module):
-    """Three blocks of 4 parameters in a ModuleList, then a head outside every layer."""
-
-    def __init__(self, d: int = 32):
-        super().__init__()
-        self.layers = nn.ModuleList(Block(d) for _ in range(3))
-        self.head = nn.Linear(d, d)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x).square().mean()
-
-
-@pytest.mark.parametrize("outline", ["1", "0"])
-def test_buckets_stay_inside_one_layer(fake_mesh, monkeypatch, outline):
+@pytest.mark.parametrize("outline,prefetch", [("1", "1"), ("1", "0"), ("0", "1")])
+def test_buckets_stay_inside_one_layer(fake_mesh, monkeypatch, outline, prefetch):
     """FSDP on dp=2, bucketing at its default: each layer's 4 parameters are gathered in one
     bucket of their own (FSDP2's unit), never merged with another layer's or the head's, with
-    the layers outlined into one shared body and with every layer inline; likewise each
-    layer's 4 gradients are reduce-scattered in one bucket."""
+    the layers outlined into one shared body and with every layer inline, with the gathers
+    prefetched a layer early and without; likewise each layer's 4 gradients are
+    reduce-scattered in one bucket."""
     from torch._inductor.utils import run_and_get_code
 
     monkeypatch.delenv("DYNAMO_DIST_BUCKET_MB", raising=False)
     monkeypatch.setenv("DYNAMO_DIST_OUTLINE", outline)
+    monkeypatch.setenv("DYNAMO_DIST_PREFETCH", prefetch)
     mesh = fake_mesh((2,), ("dp",))
     torch.manual_seed(0)
     model = Stack()
@@ -134,7 +114,8 @@ def test_buckets_stay_inside_one_layer(fake_mesh, monkeypatch, outline):
     assert bool(shared) == (outline == "1")
     assert ledger.issued("all_gather") == 4  # this small model's backward keeps the gathers
     # the generated code: each collective once, the shared body's bucket once for its calls
-    assert _issued(fw, "all_gather") == (4 if outline == "0" else 3)
+    # (a prefetched gather is issued by the calling graph, one per layer)
+    assert _issued(fw, "all_gather") == (3 if (outline, prefetch) == ("1", "0") else 4)
     assert _issued(bw, "reduce_scatter") == (4 if outline == "0" else 3)
 
 

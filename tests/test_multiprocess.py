@@ -68,6 +68,22 @@ def test_two_rank_fsdp_bucketed_collectives(monkeypatch):
     assert m and float(m.group(1)) <= 1e-4, out
 
 
+def test_four_rank_llama_with_prefetched_gathers():
+    """The Llama, 3 layers, Megatron on tp=2 and FSDP on dp=2 (the backward gathers again)
+    under Inductor, bucketing and outlining at their defaults: each layer's parameter bucket
+    is gathered while the layer before it runs (``inductor_passes.prefetch``: 2 layers a pass,
+    forward and backward), its wait where the layer starts. Losses, gradients and parameters
+    match one process, and the collectives counted at run time are exactly the ledger's issued
+    count."""
+    out = torchrun("train_parity.py", 4, "--model", "llama", "--mesh", "dp=2,tp=2",
+                   "--inductor", "1", "--layers", "3", "--steps", "2", "--check-issued").stdout
+    m = re.search(r"max relative loss difference ([0-9.e+-]+)", out)
+    assert m and float(m.group(1)) <= 1e-4, out
+    assert "PREFETCHED 2 2" in out, out
+    calls = [int(c.split("/")[0]) for c in re.search(r"OUTLINED (.*)", out).group(1).split()]
+    assert min(calls) >= 2, out
+
+
 def test_two_rank_convnet_parity_under_inductor():
     """Conv + BatchNorm + MaxPool + Linear, FSDP on dp=2 with Inductor and AdamW: losses within
     1e-5 of one process's, first-step gradients and running statistics equal (BatchNorm

@@ -452,12 +452,12 @@ def data_dependent_error(op) -> Exception:
 
 # -- Inductor's FX collective bucketing (torch._inductor.fx_passes.bucketing, 2.11 and 2.13) ---
 # per kind: the bucketing module's test for the collective's node, its grouping key, its merge
-# (None: ``merge_all_reduce_bucket``, one bucket at a time). Inductor's own order: all_gather
-# last, since its merge introduces a mutation
+# of one bucket. Inductor's own order: all_gather last, since its merge introduces a mutation
 _BUCKETERS = (
-    ("reduce_scatter", "is_reduce_scatter_tensor", "_rs_group_key", "merge_reduce_scatter"),
-    ("all_reduce", "is_all_reduce_tensor", "_ar_group_key", None),
-    ("all_gather", "is_all_gather_into_tensor", "_ag_group_key", "merge_all_gather"),
+    ("reduce_scatter", "is_reduce_scatter_tensor", "_rs_group_key",
+     "merge_reduce_scatter_bucket"),
+    ("all_reduce", "is_all_reduce_tensor", "_ar_group_key", "merge_all_reduce_bucket"),
+    ("all_gather", "is_all_gather_into_tensor", "_ag_group_key", "merge_all_gather_bucket"),
 )
 
 
@@ -466,9 +466,9 @@ def _bucketing_module():
     None."""
     from torch._inductor.fx_passes import bucketing
 
-    names = ["greedy_bucket_collective_by_mb", "merge_all_reduce_bucket"]
+    names = ["greedy_bucket_collective_by_mb"]
     for _, test, key, merge in _BUCKETERS:
-        names += [test, key] + ([merge] if merge else [])
+        names += [test, key, merge]
     return bucketing if all(hasattr(bucketing, n) for n in names) else None
 
 
@@ -509,24 +509,32 @@ def _find(bucketing, gm, cap_mb_by_bucket, test: str, key: str, extra_key) -> li
 def bucket_collectives(gm: "torch.fx.GraphModule", cap_mb_by_bucket: Callable[[int], float],
                        extra_key: Callable[["torch.fx.Node"], Any]) -> None:
     """Merge the buckets ``find_buckets`` forms, kind by kind in Inductor's order, with
-    Inductor's own merge functions (one collective over a flat buffer per bucket)."""
+    Inductor's own merge functions (one collective over a flat buffer per bucket). A bucket's
+    wait goes where its members' first wait was when that is after its last member (a gather
+    issued a layer early, ``prefetch``, is still waited for where the layer starts); else right
+    after the merged collective, as Inductor places it."""
     bucketing = _bucketing_module()
     for _, test, key, merge in _BUCKETERS:
         # found again after each kind's merge: the graph changed
-        buckets = _find(bucketing, gm, cap_mb_by_bucket, test, key, extra_key)
-        if not buckets:
-            continue
-        if merge is not None:
-            getattr(bucketing, merge)(gm, buckets)
-        else:
-            for bucket in buckets:
-                bucketing.merge_all_reduce_bucket(gm.graph, bucket)
+        for bucket in _find(bucketing, gm, cap_mb_by_bucket, test, key, extra_key):
+            getattr(bucketing, merge)(gm.graph, bucket,
+                                      wait_insertion_point=_first_wait_after(gm, bucket))
     # a merged collective sits where its first member was; users of a later member's inputs
     # may come before it (Inductor's own bucketing sorts the same way after merging)
     from torch._inductor.pattern_matcher import stable_topological_sort
 
     stable_topological_sort(gm.graph)
     gm.graph.lint()
+
+
+def _first_wait_after(gm: "torch.fx.GraphModule", bucket: list["torch.fx.Node"]
+                      ) -> "torch.fx.Node | None":
+    """The first wait of ``bucket``'s members in graph order, when it comes after the last
+    member; else None."""
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    waits = [u for n in bucket for u in n.users]
+    first = min(waits, key=order.__getitem__)
+    return first if order[first] > max(order[n] for n in bucket) else None
 
 
 def post_grad_pass(fn: Callable[["torch.fx.Graph"], None], uuid: Any) -> dict:

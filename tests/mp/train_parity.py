@@ -159,6 +159,7 @@ def main() -> int:
         print(f"COMPILES {len(compile_records())}")
         joint = compile_records()[-1].step.joint
         print("OUTLINED " + " ".join(f"{o.calls}/{len(o.bodies)}" for o in joint.outlined))
+        print("PREFETCHED " + " ".join(str(len(p.layers)) for p in joint.prefetched))
     dist.barrier()
     dist.destroy_process_group()
     return 0 if worst <= 1e-4 else 1

@@ -1,0 +1,179 @@
+"""Prefetch: issue each layer's parameter all_gathers while the layer before it computes.
+
+FSDP gathers a layer's parameters right before the layer runs, so without prefetch every
+gather's latency sits on the critical path: the layer waits for its own parameters. FSDP2
+issues layer i+1's all_gather during layer i (forward prefetch; in the backward the next layer
+in backward order), so the collective runs while compute runs and at most two layers' gathered
+parameters are live at once (Zhao et al., "PyTorch FSDP", VLDB 2023, section 3.3.2; FSDP2's
+``set_modules_to_forward_prefetch``). This pass makes that order in a local graph:
+
+* A layer's *prefetchable* gathers are its all_gathers that are pure functions of graph inputs
+  (a parameter shard, or in the backward a saved value), found with the ops between the input
+  and the gather (a transpose and contiguous copy lowering adds). Their waits stay where they
+  are, right before the first use.
+* Layers are taken in the order they run in this graph (forward: 0, 1, ...; backward: the
+  reverse). Each layer's prefetchable gathers move to right before the first node of the layer
+  before it (after that layer's own gathers when they stay in place); the first layer's stay in
+  place.
+* A gather whose value (or a view of it) is read outside its layer stays in place, in the
+  layer: a forward that keeps a gathered parameter for the backward (the partitioner's choice
+  for a norm weight, or every weight of a small model) would otherwise make the layer body
+  return a view of its input, which outlining refuses.
+* The moved nodes and their waits are marked ``outline.OUTSIDE``: outlining leaves them in the
+  calling graph, so a shared layer body takes the gathered parameters as inputs and the gather
+  of the next layer can be issued before the body call of this one.
+
+Only movable nodes (functional ops with no randomness or mutation, ``schedule.movable``) are
+moved, and only to an earlier place, with their inputs (graph inputs, or moved before them):
+the program computes the same values. Every rank rewrites its graph the same way (the choice
+reads the graph's structure, never a size), so collectives keep one order on every rank.
+Buckets stay per layer (``comm``): the moved gathers keep their layer's tag, so one layer's
+bucket is issued before the layer before it, and its wait stays where the layer starts
+(``compat.bucket_collectives``). Inductor's peak-memory reordering, which would sink the
+gathers back to their waits, is off for a graph where gathers moved (``inductor_config``).
+``DYNAMO_DIST_PREFETCH=0`` turns the pass off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch.fx as fx
+
+from inductor_passes.core.collectives import collective_kind
+
+from . import outline
+from .schedule import movable
+
+log = logging.getLogger("dynamo_dist.prefetch")
+
+
+def enabled() -> bool:
+    """``DYNAMO_DIST_PREFETCH`` (default on; 0 turns the pass off). Raises ValueError for another
+    value."""
+    return outline.switch("DYNAMO_DIST_PREFETCH", "prefetch the next layer's gathers", "off")
+
+
+@dataclasses.dataclass
+class Prefetched:
+    """What ``prefetch_gathers`` moved: the layers whose gathers now run one layer early, in
+    graph order, and how many all_gathers moved."""
+
+    layers: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    gathers: int = 0
+
+
+def _pure_of_inputs(gm: fx.GraphModule) -> set[fx.Node]:
+    """Movable nodes computed from graph inputs alone (directly or through other such nodes)."""
+    pure: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.all_input_nodes and movable(node) and all(
+                a.op == "placeholder" or a in pure for a in node.all_input_nodes):
+            pure.add(node)
+    return pure
+
+
+def prefetch_gathers(gm: fx.GraphModule) -> Prefetched:
+    """Rewrite ``gm`` (a partitioned local forward or backward graph, flat) in place as the
+    module doc says; returns what moved (nothing when the pass is off or fewer than two layers
+    have prefetchable gathers). Local shapes; raises nothing for a graph it cannot improve."""
+    done = Prefetched()
+    if not enabled():
+        return done
+    layer_of = outline.assign_layers(gm)
+    pure = _pure_of_inputs(gm)
+    gathers: dict[tuple[str, int], list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node in pure and collective_kind(node) == "all_gather" and node in layer_of:
+            gathers.setdefault(layer_of[node], []).append(node)
+    kept = _read_outside(gm, gathers, layer_of)
+    # alike in every layer of a family (the k-th gather of each, among layers with as many):
+    # one layer keeping a gather another moves would make their bodies differ (the first
+    # layer of a stack keeps fewer gathered weights: it computes no input gradient)
+    keep_at: dict[tuple[str, int], set[int]] = {}
+    for key, starts in gathers.items():
+        keep_at.setdefault((key[0], len(starts)), set()).update(
+            i for i, g in enumerate(starts) if g in kept)
+    gathers = {k: [g for i, g in enumerate(v) if i not in keep_at[(k[0], len(v))]]
+               for k, v in gathers.items()}
+    gathers = {k: v for k, v in gathers.items() if v}
+    # what moves with each layer's gathers: the pure nodes they are computed from
+    lifted: dict[tuple[str, int], list[fx.Node]] = {}
+    for key, starts in gathers.items():
+        chain: set[fx.Node] = set()
+        todo = list(starts)
+        while todo:
+            node = todo.pop()
+            if node not in chain:
+                chain.add(node)
+                todo.extend(a for a in node.all_input_nodes if a in pure)
+        lifted[key] = [n for n in gm.graph.nodes if n in chain]  # graph order
+    moving = {n for nodes in lifted.values() for n in nodes}
+    # where each layer starts: its first node that does not move
+    first: dict[tuple[str, int], fx.Node] = {}
+    for node in gm.graph.nodes:
+        key = layer_of.get(node)
+        if key is not None and key not in first and node not in moving:
+            first[key] = node
+    runs = sorted(first, key=lambda k: _position(gm)[first[k]])
+    for prev, key in zip(runs, runs[1:]):
+        if key not in lifted:
+            continue
+        order = _position(gm)
+        anchor = first[prev]
+        if prev in lifted and order[lifted[prev][-1]] > order[anchor]:
+            # the layer before gathers in place (the first layer): issue after its gathers,
+            # which it waits for first
+            anchor = lifted[prev][-1].next
+        for node in lifted[key]:
+            if order[node] > order[anchor]:
+                anchor.prepend(node)
+        done.layers.append(key)
+        done.gathers += len(gathers[key])
+    for nodes in lifted.values():
+        for node in nodes:
+            node.meta[outline.OUTSIDE] = True
+            for user in node.users:
+                if user.target is outline.WAIT:
+                    user.meta[outline.OUTSIDE] = True
+    if done.layers:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def inductor_config(gm: fx.GraphModule) -> dict:
+    """Inductor config entries that keep the order this pass made in ``gm``: its peak-memory
+    reordering (a topological sort that minimises the live bytes it estimates) is off when a
+    gather was moved, since it would sink each gather back down to its wait (seen on the small
+    Llama: every prefetched gather issued right before its layer again). torchtitan's
+    SimpleFSDP and AutoParallel turn it off for their scheduled gathers too. Empty otherwise."""
+    moved = any(n.meta.get(outline.OUTSIDE) and collective_kind(n) for n in gm.graph.nodes)
+    return {"reorder_for_peak_memory": False} if moved else {}
+
+
+def _read_outside(gm: fx.GraphModule, gathers: dict[tuple[str, int], list[fx.Node]],
+                  layer_of: dict[fx.Node, tuple[str, int]]) -> set[fx.Node]:
+    """The gathers whose value, or a view of it, is read outside their layer (a forward that
+    keeps a gathered norm weight for the backward returns it). They stay where they are, in
+    the layer: moved out, the layer body would return a view of its input, which outlining
+    refuses (Inductor reuses an input's buffer after the call)."""
+    owner: dict[int, tuple[fx.Node, tuple[str, int]]] = {}
+    for key, starts in gathers.items():
+        for start in starts:
+            for s in {outline.storage_of(start), *map(outline.storage_of, start.users)}:
+                if s is not None:
+                    owner[s] = (start, key)
+    kept = set()
+    for node in gm.graph.nodes:
+        start, key = owner.get(outline.storage_of(node), (None, None))
+        if start is not None and any(layer_of.get(u) != key for u in node.users):
+            log.debug("dynamo_dist: not prefetched: %s (layer %s.%d), read by %s", start.name,
+                      *key, [u.name for u in node.users if layer_of.get(u) != key])
+            kept.add(start)
+    return kept
+
+
+def _position(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    return {n: k for k, n in enumerate(gm.graph.nodes)}

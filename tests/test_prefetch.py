@@ -1,0 +1,166 @@
+"""Prefetch (``inductor_passes.prefetch``): each layer's parameter gathers issued while the
+layer before it runs, their waits where the layer starts. Fake process group: graphs and
+generated code are read, not values (values: ``test_multiprocess``'s FSDP Llama with
+prefetched gathers, on gloo)."""
+
+import re
+
+import pytest
+import torch
+import torch.fx as fx
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import Stack
+from dynamo_dist import compile_records
+from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
+from inductor_passes import outline, prefetch
+from inductor_passes.compile import _copy
+from inductor_passes.core.collectives import collective_kind
+
+
+def _fsdp_stack(fake_mesh, d=32, layers=3, inductor=True):
+    mesh = fake_mesh((2,), ("dp",))
+    torch.manual_seed(0)
+    model = Stack(d, layers)
+    shard_module(model, mesh, DataParallelPlanner(mesh_axis_size=2).build_plan(model))
+    fn = torch.compile(model, backend="dist", options={"inductor": inductor})
+    return fn, torch.randn(8, d)
+
+
+_ISSUE = re.compile(r"(?:(\w+) = )?torch\.ops\._c10d_functional\.all_gather_into_tensor"
+                    r"(?:_out)?\.default\((?:.*out=(\w+))?")
+_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)\)")
+_CALL = re.compile(r"= dd_layer_\d+\(")
+
+
+def _gathers_across_calls(code: str) -> int:
+    """Gathers of the generated calling code that are issued before a layer body call and
+    waited for after it: communication in flight while a layer computes."""
+    issued, across, seen_call = {}, 0, 0
+    for line in code.splitlines():
+        if (m := _ISSUE.search(line)) and (m.group(1) or m.group(2)):
+            issued[m.group(2) or m.group(1)] = seen_call
+        elif (m := _WAIT.search(line)) and m.group(1) in issued:
+            across += issued.pop(m.group(1)) < seen_call
+        elif _CALL.search(line):
+            seen_call += 1
+    return across
+
+
+def _llama(fake_mesh, layers=3, hidden=64, tp=False, inductor=True):
+    from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
+
+    mesh = fake_mesh((2, 2), ("dp", "tp")) if tp else fake_mesh((2,), ("dp",))
+    size = LlamaSize(layers=layers, hidden=hidden, heads=2, kv_heads=2,
+                     intermediate=hidden * 2, vocab=64, seq=8, batch=4)
+    torch.manual_seed(0)
+    model = build_llama(size)
+    plan = TensorParallelPlanner(axis="tp").build_plan(model) if tp else None
+    plan = DataParallelPlanner(axis="dp", mesh_axis_size=2).build_plan(model, plan)
+    shard_module(model, mesh, plan)
+    fn = torch.compile(model, backend="dist", options={"inductor": inductor})
+    ids = token_batch(size, 0)
+    return lambda: fn(input_ids=ids, labels=ids).loss.backward()
+
+
+@pytest.mark.parametrize("on", ["1", "0"])
+def test_generated_code_gathers_the_next_layer_while_this_one_runs(fake_mesh, monkeypatch, on):
+    """A Llama with FSDP on dp=2 (ZeRO-3: the backward gathers again), 3 outlined layers: with
+    prefetch the gathers of layers 1 and 2 (forward) and of the backward's second and third
+    layers are issued before the body call of the layer before and waited for after it;
+    without it no gather spans a call."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.delenv("DYNAMO_DIST_BUCKET_MB", raising=False)
+    monkeypatch.setenv("DYNAMO_DIST_PREFETCH", on)
+    _, (fw, bw) = run_and_get_code(_llama(fake_mesh, tp=True))
+    joint = compile_records()[-1].step.joint
+    assert [o.calls for o in joint.outlined] == [3, 3]
+    want = 2 if on == "1" else 0
+    assert _gathers_across_calls(fw) == want and _gathers_across_calls(bw) == want
+    assert [len(p.layers) for p in joint.prefetched] == [want, want]
+
+
+def test_a_gather_the_forward_keeps_stays_in_its_layer(fake_mesh, monkeypatch):
+    """A small FSDP stack whose forward keeps its gathered weights for the backward (the
+    partitioner's choice; their transposes are outputs): moved out of the layers, each layer
+    body would return a view of its input, which outlining refuses. Those gathers stay in
+    their layers (and the same gathers of every layer, alike: the first layer keeps fewer, it
+    computes no input gradient), others move, and the layers share a body as without prefetch."""
+    monkeypatch.setenv("DYNAMO_DIST_PREFETCH", "1")
+    fn, x = _fsdp_stack(fake_mesh)
+    fn(x).backward()
+    joint = compile_records()[-1].step.joint
+    gm = joint.fw_graph
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    saved = {outline.storage_of(a) for a in out.args[0] if isinstance(a, fx.Node)}
+    layer = outline.assign_layers(gm)
+    gathers = [n for n in gm.graph.nodes if collective_kind(n) == "all_gather" and n in layer]
+    kept = [g for g in gathers if {outline.storage_of(g), *map(outline.storage_of, g.users)}
+            & saved]
+    moved = [g for g in gathers if g.meta.get(outline.OUTSIDE)]
+    assert kept and moved and set(moved).isdisjoint(kept)
+    # layers 1 and 2 share a body, as without prefetch (layer 0 also slices the batch)
+    assert len(joint.prefetched[0].layers) == 2 and joint.outlined[0].calls == 2
+
+
+def _check_prefetched(before: fx.GraphModule, after: fx.GraphModule,
+                      done: prefetch.Prefetched) -> None:
+    """What ``prefetch_gathers`` promises, checked on the graph it rewrote: the same nodes with
+    the same inputs in a valid order (so the same program), each prefetched layer's gathers
+    issued before the last node of the layer before it (before its first node from the third
+    layer on: the first layer gathers in place), after that layer's own gathers, and their
+    waits still after every gather of the layer before."""
+    def shape(gm):
+        return {n.name: (str(n.target), str(n.args), str(n.kwargs)) for n in gm.graph.nodes}
+
+    assert shape(before) == shape(after)
+    after.graph.lint()  # every node after its inputs
+    order = {n: k for k, n in enumerate(after.graph.nodes)}
+    layer = outline.assign_layers(after)
+    nodes: dict = {}
+    for n in after.graph.nodes:
+        if n in layer and not n.meta.get(outline.OUTSIDE):
+            nodes.setdefault(layer[n], []).append(n)
+    runs = sorted(nodes, key=lambda k: order[nodes[k][0]])
+    gathers = {k: [n for n in after.graph.nodes if layer.get(n) == k and
+                   collective_kind(n) == "all_gather" and n.meta.get(outline.OUTSIDE)]
+               for k in runs}
+    assert done.layers == [k for k in runs[1:] if gathers[k]]
+    for i, key in enumerate(runs[1:], 1):
+        prev = runs[i - 1]
+        for g in gathers[key]:
+            assert order[g] < order[nodes[prev][-1]], (g, prev)
+            if i >= 2 and gathers[prev]:
+                assert order[g] < order[nodes[prev][0]], (g, prev)
+            assert all(order[g] > order[p] for p in gathers[prev]), (g, prev)
+            wait = next(iter(g.users))
+            assert all(order[wait] > order[p] for p in gathers[prev])
+
+
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layers=st.integers(2, 4), hidden=st.sampled_from([32, 48]))
+def test_prefetch_moves_only_and_keeps_one_layer_ahead(fake_mesh, monkeypatch, layers, hidden):
+    """On Llamas of random depth and width under Megatron + FSDP on dp=2 x tp=2 (the backward
+    gathers again), planned without prefetch: the pass on each flat graph keeps every node and
+    input, in a valid order, with each layer's gathers one layer ahead (``_check_prefetched``).
+    (FSDP on dp alone keeps the gathered parameters for the backward: nothing to prefetch.)"""
+    monkeypatch.setenv("DYNAMO_DIST_PREFETCH", "0")
+    torch._dynamo.reset()
+    _llama(fake_mesh, layers, hidden, tp=True, inductor=False)()
+    joint = compile_records()[-1].step.joint
+    monkeypatch.setenv("DYNAMO_DIST_PREFETCH", "1")
+    for gm in (joint.fw_graph, joint.bw_graph):
+        after = _copy(gm)
+        done = prefetch.prefetch_gathers(after)
+        assert len(done.layers) == layers - 1  # every layer but the first gathers early
+        _check_prefetched(gm, after, done)
+
+
+def test_off_switch_and_bad_value(monkeypatch):
+    monkeypatch.setenv("DYNAMO_DIST_PREFETCH", "0")
+    assert not prefetch.enabled()
+    monkeypatch.setenv("DYNAMO_DIST_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="DYNAMO_DIST_PREFETCH='yes'.*fix"):
+        prefetch.enabled()
