@@ -15,13 +15,12 @@ parameters are live at once (Zhao et al., "PyTorch FSDP", VLDB 2023, section 3.3
   reverse). Each layer's prefetchable gathers move to right before the first node of the layer
   before it (after that layer's own gathers when they stay in place); the first layer's stay in
   place.
-* A gather whose value (or a view of it) is read outside its layer stays in place, in the
-  layer: a forward that keeps a gathered parameter for the backward (the partitioner's choice
-  for a norm weight, or every weight of a small model) would otherwise make the layer body
+* The moved nodes, their waits and the views of the gathered values are marked
+  ``outline.OUTSIDE``: outlining leaves them in the calling graph, so a shared layer body takes
+  the gathered parameters as inputs and the gather of the next layer can be issued before the
+  body call of this one. The views come along because a forward that keeps a gathered weight
+  for the backward (a transpose of it is a forward output) would otherwise make the body
   return a view of its input, which outlining refuses.
-* The moved nodes and their waits are marked ``outline.OUTSIDE``: outlining leaves them in the
-  calling graph, so a shared layer body takes the gathered parameters as inputs and the gather
-  of the next layer can be issued before the body call of this one.
 
 Only movable nodes (functional ops with no randomness or mutation, ``schedule.movable``) are
 moved, and only to an earlier place, with their inputs (graph inputs, or moved before them):
@@ -87,17 +86,6 @@ def prefetch_gathers(gm: fx.GraphModule) -> Prefetched:
     for node in gm.graph.nodes:
         if node in pure and collective_kind(node) == "all_gather" and node in layer_of:
             gathers.setdefault(layer_of[node], []).append(node)
-    kept = _read_outside(gm, gathers, layer_of)
-    # alike in every layer of a family (the k-th gather of each, among layers with as many):
-    # one layer keeping a gather another moves would make their bodies differ (the first
-    # layer of a stack keeps fewer gathered weights: it computes no input gradient)
-    keep_at: dict[tuple[str, int], set[int]] = {}
-    for key, starts in gathers.items():
-        keep_at.setdefault((key[0], len(starts)), set()).update(
-            i for i, g in enumerate(starts) if g in kept)
-    gathers = {k: [g for i, g in enumerate(v) if i not in keep_at[(k[0], len(v))]]
-               for k, v in gathers.items()}
-    gathers = {k: v for k, v in gathers.items() if v}
     # what moves with each layer's gathers: the pure nodes they are computed from
     lifted: dict[tuple[str, int], list[fx.Node]] = {}
     for key, starts in gathers.items():
@@ -136,10 +124,12 @@ def prefetch_gathers(gm: fx.GraphModule) -> Prefetched:
             node.meta[outline.OUTSIDE] = True
             for user in node.users:
                 if user.target is outline.WAIT:
-                    user.meta[outline.OUTSIDE] = True
+                    _mark_views(user)
     if done.layers:
         gm.graph.lint()
         gm.recompile()
+        log.debug("dynamo_dist: %d gathers of %d layers issued a layer early", done.gathers,
+                  len(done.layers))
     return done
 
 
@@ -153,26 +143,20 @@ def inductor_config(gm: fx.GraphModule) -> dict:
     return {"reorder_for_peak_memory": False} if moved else {}
 
 
-def _read_outside(gm: fx.GraphModule, gathers: dict[tuple[str, int], list[fx.Node]],
-                  layer_of: dict[fx.Node, tuple[str, int]]) -> set[fx.Node]:
-    """The gathers whose value, or a view of it, is read outside their layer (a forward that
-    keeps a gathered norm weight for the backward returns it). They stay where they are, in
-    the layer: moved out, the layer body would return a view of its input, which outlining
-    refuses (Inductor reuses an input's buffer after the call)."""
-    owner: dict[int, tuple[fx.Node, tuple[str, int]]] = {}
-    for key, starts in gathers.items():
-        for start in starts:
-            for s in {outline.storage_of(start), *map(outline.storage_of, start.users)}:
-                if s is not None:
-                    owner[s] = (start, key)
-    kept = set()
-    for node in gm.graph.nodes:
-        start, key = owner.get(outline.storage_of(node), (None, None))
-        if start is not None and any(layer_of.get(u) != key for u in node.users):
-            log.debug("dynamo_dist: not prefetched: %s (layer %s.%d), read by %s", start.name,
-                      *key, [u.name for u in node.users if layer_of.get(u) != key])
-            kept.add(start)
-    return kept
+def _mark_views(wait: fx.Node) -> None:
+    """Mark ``wait`` and every view of its value (nodes sharing its storage, reached through
+    users) ``outline.OUTSIDE``: they stay in the calling graph with the gather. A layer body
+    that returned a view of the gathered value (a weight's transpose the forward keeps for the
+    backward) would return a view of its input, which outlining refuses; views cost nothing
+    where they are."""
+    storage = outline.storage_of(wait)
+    todo = [wait]
+    while todo:
+        node = todo.pop()
+        if not node.meta.get(outline.OUTSIDE):
+            node.meta[outline.OUTSIDE] = True
+            todo.extend(u for u in node.users if u.op == "call_function" and movable(u)
+                        and storage is not None and outline.storage_of(u) == storage)
 
 
 def _position(gm: fx.GraphModule) -> dict[fx.Node, int]:

@@ -113,6 +113,7 @@ def test_buckets_stay_inside_one_layer(fake_mesh, monkeypatch, outline, prefetch
               for c in layers]
     assert bool(shared) == (outline == "1")
     assert ledger.issued("all_gather") == 4  # this small model's backward keeps the gathers
+    assert sorted(ledger.buckets["all_gather"]) == [2, 4, 4, 4]
     # the generated code: each collective once, the shared body's bucket once for its calls
     # (a prefetched gather is issued by the calling graph, one per layer)
     assert _issued(fw, "all_gather") == (3 if (outline, prefetch) == ("1", "0") else 4)
