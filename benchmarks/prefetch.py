@@ -65,6 +65,26 @@ def _build(size, mesh, names):
     return model
 
 
+def _own_frame(model, name: str):
+    """``model`` behind a forward of its own code object. Dynamo caches compiled code per code
+    object and guards the parameters as graph inputs, so a second model of the same class
+    would reuse the first variant's compiled program instead of compiling under its own
+    ``DYNAMO_DIST_PREFETCH``."""
+    import types
+
+    import torch.nn as nn
+
+    def forward(self, **kwargs):
+        return self.inner(**kwargs)
+
+    code = forward.__code__.replace(co_name=f"forward_{name}")
+    cls = type(f"Variant_{name}", (nn.Module,), {
+        "forward": types.FunctionType(code, forward.__globals__, f"forward_{name}")})
+    wrapper = cls()
+    wrapper.inner = model
+    return wrapper
+
+
 def _exposed_wait_ms(step, steps: int) -> list[float]:
     """Per profiled step, the self CPU ms spent in wait_tensor."""
     from torch.profiler import ProfilerActivity, profile
@@ -100,7 +120,8 @@ def worker(args) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         cache = tempfile.mkdtemp(prefix=f"prefetch-{name}-")
         runs[name] = {"model": model, "opt": opt, "flag": flag, "cache": cache,
-                      "fn": torch.compile(model, backend="dist"), "losses": [], "times": []}
+                      "fn": torch.compile(_own_frame(model, name), backend="dist"),
+                      "losses": [], "times": []}
 
     def step(run, ids):
         os.environ["DYNAMO_DIST_PREFETCH"] = run["flag"]
@@ -112,6 +133,7 @@ def worker(args) -> None:
         return float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss)
 
     for name, run in runs.items():  # the first call compiles
+        before = len(compile_records())
         dist.barrier()
         t = time.perf_counter()
         run["losses"].append(step(run, batches[0]))
@@ -119,6 +141,8 @@ def worker(args) -> None:
         record = compile_records()[-1]
         joint = record.step.joint
         run["prefetched"] = [len(p.layers) for p in joint.prefetched]
+        if len(compile_records()) == before or (run["flag"] == "0" and any(run["prefetched"])):
+            raise RuntimeError(f"{name}: not a compile of its own ({run['prefetched']})")
         run["predicted_peak_mib"] = joint.predicted_peak.peak_bytes / 2 ** 20
         run["issued"] = dict(joint.issued)
     for i, ids in enumerate(batches[1:args.warmup + args.steps + 1]):

@@ -107,10 +107,11 @@ def layer_of(node: fx.Node) -> tuple[str, int] | None:
     path = list(stack.values())[-1]
     path = str(path[0] if isinstance(path, tuple) else path)
     root = _ROOT.match(path)
-    m = _INDEX.search(path, root.end() if root else 0)
-    if m is None:
-        return None
-    return path[:m.start()], int(next(g for g in m.groups() if g is not None))
+    for m in _INDEX.finditer(path, root.end() if root else 0):
+        if path[:m.start()].endswith("__"):
+            continue  # a Python attribute's item (``forward.__closure__[2]``), not a module list
+        return path[:m.start()], int(next(g for g in m.groups() if g is not None))
+    return None
 
 
 def assign_layers(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, int]]:

@@ -195,7 +195,11 @@ def test_inductor_compiles_a_shared_body_right(tmp_path, monkeypatch):
     ("L['self'].blocks[12].mlp", ("L['self'].blocks", 12)),
     ("L['self']._modules['layers']._modules['7']", ("L['self']._modules['layers']._modules", 7)),
     ("G['net'].encoder.block.1.layer.0", ("G['net'].encoder.block", 1)),
-    ("L['args'][0].model.norm", None)])
+    ("L['args'][0].model.norm", None),
+    # a wrapper calling a decorated forward: the cell's index is not a layer's
+    ("L['self'].inner.forward.__closure__[2].cell_contents.model.layers.3.mlp",
+     ("L['self'].inner.forward.__closure__[2].cell_contents.model.layers", 3)),
+    ("L['self'].inner.forward.__closure__[2].cell_contents.lm_head", None)])
 def test_a_node_belongs_to_the_first_numbered_module_after_the_frames_own_source(path, want):
     node = fx.Graph().placeholder("x")
     node.meta["nn_module_stack"] = {"k": (path, Block)}
