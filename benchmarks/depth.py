@@ -10,9 +10,9 @@ process with an empty Inductor cache directory and the plan cache off: a cold co
 ``outline`` (the default: repeated layers share one compiled body, ``inductor_passes.outline``,
 and lowering copies repeated layers, ``inductor_passes.stamp``), ``inline``
 (``DYNAMO_DIST_OUTLINE=0``: every layer compiled in place), ``unstamped`` (outlined, but
-``DYNAMO_DIST_STAMP=0``: every layer lowered node by node) and ``unprefetched`` (outlined, but
-``DYNAMO_DIST_PREFETCH=0``: each layer's gathers inside its shared body, not issued a layer
-early by the calling graph).
+``DYNAMO_DIST_STAMP=0``: every layer lowered node by node) and ``prefetched`` (outlined, and
+``DYNAMO_DIST_PREFETCH=1``: each layer's gathers issued a layer early by the calling graph, not
+inside its shared body; off by default on CPU).
 
 On CPU with a mesh of more than one rank the process is rank 0 of torch's ``fake`` process group
 (collectives compiled, never run): compile times only. With a mesh of one rank (``tp=1``) the
@@ -161,7 +161,7 @@ def _run(args, layers: int, variant: str, port: int) -> dict:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, DYNAMO_DIST_PLAN_CACHE="0",
                    DYNAMO_DIST_OUTLINE="0" if variant == "inline" else "1",
                    DYNAMO_DIST_STAMP="0" if variant == "unstamped" else "1",
-                   DYNAMO_DIST_PREFETCH="0" if variant == "unprefetched" else "1",
+                   DYNAMO_DIST_PREFETCH="1" if variant == "prefetched" else "auto",
                    PYTHONPATH=ROOT)
         t = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
@@ -183,7 +183,7 @@ def _ratios(rows: list[dict]) -> dict:
                 round(mine[-1]["first_call_s"] / mine[0]["first_call_s"], 3)
     for layers in sorted({r["layers"] for r in ok}):
         at = {r["variant"]: r for r in ok if r["layers"] == layers}
-        for other in ("inline", "unstamped", "unprefetched", "inductor"):
+        for other in ("inline", "unstamped", "prefetched", "inductor"):
             if "outline" in at and other in at:
                 out[f"{layers} layers: first call, outline / {other}"] = round(
                     at["outline"]["first_call_s"] / at[other]["first_call_s"], 3)
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh", default="dp=2,tp=2")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--variants", nargs="+", default=["outline", "inline"],
-                    choices=["outline", "inline", "unstamped", "unprefetched"])
+                    choices=["outline", "inline", "unstamped", "prefetched"])
     ap.add_argument("--baseline", action="store_true",
                     help="also plain torch.compile (Inductor, one device) at each depth")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (world size 1)")

@@ -2,8 +2,8 @@
 
 The demo Llama (``dynamo_dist.testing.models``, random weights), the stock planners (FSDP on
 ``dp``, Megatron on ``tp``), on real gloo ranks (one intra-op thread each), compiled by the dist
-backend twice in each rank's process from the same weights: ``DYNAMO_DIST_PREFETCH=1`` (the
-default) and ``=0``, each with its own empty Inductor cache. The timed steps alternate between
+backend twice in each rank's process from the same weights: ``DYNAMO_DIST_PREFETCH=1`` and
+``=0`` (the default on CPU), each with its own empty Inductor cache. The timed steps alternate between
 the two (forward + backward + SGD step, a barrier before each), so both see the same machine
 load. Per variant, on rank 0:
 

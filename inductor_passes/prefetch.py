@@ -30,14 +30,17 @@ Buckets stay per layer (``comm``): the moved gathers keep their layer's tag, so 
 bucket is issued before the layer before it, and its wait stays where the layer starts
 (``compat.bucket_collectives``). Inductor's peak-memory reordering, which would sink the
 gathers back to their waits, is off for a graph where gathers moved (``inductor_config``).
-``DYNAMO_DIST_PREFETCH=0`` turns the pass off.
+On by default for GPU graphs only (``enabled``: on CPU it costs compile time and was not
+measured to win); ``DYNAMO_DIST_PREFETCH=1`` or ``0`` forces it on or off.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
+import torch
 import torch.fx as fx
 
 from inductor_passes.core.collectives import collective_kind
@@ -48,10 +51,22 @@ from .schedule import movable
 log = logging.getLogger("dynamo_dist.prefetch")
 
 
-def enabled() -> bool:
-    """``DYNAMO_DIST_PREFETCH`` (default on; 0 turns the pass off). Raises ValueError for another
-    value."""
-    return outline.switch("DYNAMO_DIST_PREFETCH", "prefetch the next layer's gathers", "off")
+def enabled(gm: fx.GraphModule | None = None) -> bool:
+    """``DYNAMO_DIST_PREFETCH``: 1 (on), 0 (off) or auto (the default): on for a graph whose
+    inputs live on an accelerator (a GPU, where NCCL runs beside the compute and the gather is
+    hidden), off on CPU, where it was measured to neither win nor lose step time (4 gloo ranks on 2
+    cores: ``benchmarks/results/prefetch.md``) and to cost compile time (each layer's gathers
+    and bucket copies compile in the calling graph: 32-layer cold compile 61 -> 80 s,
+    ``benchmarks.depth --variants outline prefetched``). Raises ValueError for another value."""
+    text = os.environ.get("DYNAMO_DIST_PREFETCH", "auto")
+    if text not in ("0", "1", "auto"):
+        raise ValueError(f"DYNAMO_DIST_PREFETCH={text!r}: fix: use 1 (prefetch the next layer's "
+                         f"gathers), 0 (off) or auto (the default: on for GPU graphs)")
+    if text != "auto":
+        return text == "1"
+    return gm is not None and any(
+        isinstance(v := n.meta.get("val"), torch.Tensor) and v.device.type != "cpu"
+        for n in gm.graph.find_nodes(op="placeholder"))
 
 
 @dataclasses.dataclass
@@ -78,7 +93,7 @@ def prefetch_gathers(gm: fx.GraphModule) -> Prefetched:
     module doc says; returns what moved (nothing when the pass is off or fewer than two layers
     have prefetchable gathers). Local shapes; raises nothing for a graph it cannot improve."""
     done = Prefetched()
-    if not enabled():
+    if not enabled(gm):
         return done
     layer_of = outline.assign_layers(gm)
     pure = _pure_of_inputs(gm)

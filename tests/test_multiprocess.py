@@ -68,13 +68,14 @@ def test_two_rank_fsdp_bucketed_collectives(monkeypatch):
     assert m and float(m.group(1)) <= 1e-4, out
 
 
-def test_four_rank_llama_with_prefetched_gathers():
+def test_four_rank_llama_with_prefetched_gathers(monkeypatch):
     """The Llama, 3 layers, Megatron on tp=2 and FSDP on dp=2 (the backward gathers again)
     under Inductor, bucketing and outlining at their defaults: each layer's parameter bucket
     is gathered while the layer before it runs (``inductor_passes.prefetch``: 2 layers a pass,
     forward and backward), its wait where the layer starts. Losses, gradients and parameters
     match one process, and the collectives counted at run time are exactly the ledger's issued
-    count."""
+    count. (Prefetch is on by default for GPU graphs only: forced on here.)"""
+    monkeypatch.setenv("DYNAMO_DIST_PREFETCH", "1")
     out = torchrun("train_parity.py", 4, "--model", "llama", "--mesh", "dp=2,tp=2",
                    "--inductor", "1", "--layers", "3", "--steps", "2", "--check-issued").stdout
     m = re.search(r"max relative loss difference ([0-9.e+-]+)", out)

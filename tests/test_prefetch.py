@@ -159,9 +159,26 @@ def test_prefetch_moves_only_and_keeps_one_layer_ahead(fake_mesh, monkeypatch, l
         _check_prefetched(gm, after, done)
 
 
-def test_off_switch_and_bad_value(monkeypatch):
+def test_on_by_default_for_gpu_graphs_only(monkeypatch):
+    """Unset or ``auto``: on for a graph whose inputs live off the CPU, off on CPU (where it
+    costs compile time and did not win, ``benchmarks/results/prefetch.md``); 1 and 0 force it;
+    another value is refused with the fix."""
+    def graph(device):
+        gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+        x = gm.graph.placeholder("x")
+        x.meta["val"] = torch.empty(2, device=device)
+        gm.graph.output(x)
+        return gm
+
+    cpu, meta = graph("cpu"), graph("meta")  # meta: a device that is not the CPU
+    monkeypatch.delenv("DYNAMO_DIST_PREFETCH", raising=False)
+    assert not prefetch.enabled(cpu) and prefetch.enabled(meta)
+    monkeypatch.setenv("DYNAMO_DIST_PREFETCH", "auto")
+    assert not prefetch.enabled(cpu) and prefetch.enabled(meta)
+    monkeypatch.setenv("DYNAMO_DIST_PREFETCH", "1")
+    assert prefetch.enabled(cpu)
     monkeypatch.setenv("DYNAMO_DIST_PREFETCH", "0")
-    assert not prefetch.enabled()
+    assert not prefetch.enabled(meta)
     monkeypatch.setenv("DYNAMO_DIST_PREFETCH", "yes")
     with pytest.raises(ValueError, match="DYNAMO_DIST_PREFETCH='yes'.*fix"):
-        prefetch.enabled()
+        prefetch.enabled(cpu)
