@@ -331,6 +331,9 @@ def _describe_compiles(row: dict) -> None:
     # layer calls of shared compiled bodies / bodies, per compiled half (Inductor only)
     row["outlined"] = [f"{o.calls}/{len(o.bodies)}" for r in records if r.step is not None
                        for o in r.step.joint.outlined]
+    # layers whose gathers were issued a layer early, per compiled half (forward, backward)
+    row["prefetched"] = [len(p.layers) for r in records if r.step is not None
+                         for p in getattr(r.step.joint, "prefetched", ())]
 
 
 def _short(exc: BaseException) -> str:
