@@ -134,17 +134,18 @@ def prefetch_gathers(gm: fx.GraphModule) -> Prefetched:
                 anchor.prepend(node)
         done.layers.append(key)
         done.gathers += len(gathers[key])
+    if not done.layers:
+        return done  # nothing moved: the gathers stay in their layers' bodies
     for nodes in lifted.values():
         for node in nodes:
             node.meta[outline.OUTSIDE] = True
             for user in node.users:
                 if user.target is outline.WAIT:
                     _mark_views(user)
-    if done.layers:
-        gm.graph.lint()
-        gm.recompile()
-        log.debug("dynamo_dist: %d gathers of %d layers issued a layer early", done.gathers,
-                  len(done.layers))
+    gm.graph.lint()
+    gm.recompile()
+    log.debug("dynamo_dist: %d gathers of %d layers issued a layer early", done.gathers,
+              len(done.layers))
     return done
 
 
