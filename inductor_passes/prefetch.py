@@ -127,8 +127,11 @@ def prefetch_gathers(gm: fx.GraphModule) -> Prefetched:
         anchor = first[prev]
         if prev in lifted and order[lifted[prev][-1]] > order[anchor]:
             # the layer before gathers in place (the first layer): issue after its gathers,
-            # which it waits for first
+            # which it waits for first; never before a node that moves itself (a gather of
+            # this layer may read another's wait: GPT-2's weights gather over dp, then tp)
             anchor = lifted[prev][-1].next
+            while anchor in moving:
+                anchor = anchor.next
         for node in lifted[key]:
             if order[node] > order[anchor]:
                 anchor.prepend(node)

@@ -184,3 +184,25 @@ def test_on_by_default_for_gpu_graphs_only(monkeypatch):
     monkeypatch.setenv("DYNAMO_DIST_PREFETCH", "yes")
     with pytest.raises(ValueError, match="DYNAMO_DIST_PREFETCH='yes'.*fix"):
         prefetch.enabled(cpu)
+
+
+def test_a_gather_that_reads_another_gathers_wait_moves_after_it(fake_mesh, monkeypatch):
+    """GPT-2 (the zoo's) on dp=2 x tp=2: a Conv1D weight is gathered over dp, laid
+    out again, then gathered over tp, so one gather's chain holds another's wait. The first
+    version put the next layer's chain before a node of that chain itself (the first layer's
+    gathers end right before it) and made an invalid graph (a wait used before its gather);
+    now it compiles, with the backward's gathers issued a layer early."""
+    from dynamo_dist.testing.zoo.cell import plan_model
+    from dynamo_dist.testing.zoo.models import MODELS, loss_of
+
+    monkeypatch.setenv("DYNAMO_DIST_PREFETCH", "1")
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    zm = MODELS["gpt2"]
+    model = zm.build()
+    shard_module(model, mesh, plan_model(model, {"dp": 2, "tp": 2}))
+    args, kwargs = zm.batch(0)
+    compiled = torch.compile(model, backend="dist", options={"inductor": False})
+    loss_of(compiled(*args, **kwargs)).backward()
+    moved = [len(p.layers) for r in compile_records() if r.step is not None
+             for p in r.step.joint.prefetched]
+    assert max(moved) >= 1, moved
