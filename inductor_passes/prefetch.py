@@ -119,7 +119,8 @@ def prefetch_gathers(gm: fx.GraphModule) -> Prefetched:
         key = layer_of.get(node)
         if key is not None and key not in first and node not in moving:
             first[key] = node
-    runs = sorted(first, key=lambda k: _position(gm)[first[k]])
+    start = _position(gm)
+    runs = sorted(first, key=lambda k: start[first[k]])
     for prev, key in zip(runs, runs[1:]):
         if key not in lifted:
             continue
