@@ -114,3 +114,27 @@ def test_a_2d_plan_records_its_separable_start_and_descent(fake_mesh):
                                              if "joint" not in s.stage)
     assert any(n.startswith("descent ILP") for n in names)
     assert plan.nodes["mm"].output[1] == Shard(1) and plan.nodes["mm_1"].output[1] == Partial()
+
+
+def test_lp_relaxation_taken_only_when_integral():
+    """``solver._solve`` takes the LP relaxation's answer only where its binary variables come
+    out 0/1; a fractional relaxation falls back to the MIP (whose answer is integral and costs
+    more than the LP's bound), and an infeasible one is reported as infeasible."""
+    import numpy as np
+    from scipy.optimize import LinearConstraint
+
+    from inductor_passes.sharding import solver
+
+    binary = np.ones(2)
+    # choose exactly one of two options: the relaxation's vertex is integral
+    one = solver._solve(np.array([3.0, 1.0]), LinearConstraint(np.ones((1, 2)), 1, 1), binary,
+                        10.0)
+    assert one.status == 0 and list(np.round(one.x)) == [0, 1] and one.fun == pytest.approx(1.0)
+    # max x1 + x2 with x1 + x2 <= 1.5: the relaxation takes 1.5 (one variable at 0.5), the MIP 1
+    frac = solver._solve(np.array([-1.0, -1.0]), LinearConstraint(np.ones((1, 2)), -np.inf, 1.5),
+                         binary, 10.0)
+    assert frac.status == 0 and frac.fun == pytest.approx(-1.0)
+    assert set(np.round(frac.x, 9)) <= {0.0, 1.0}
+    infeasible = solver._solve(np.array([1.0, 1.0]), LinearConstraint(np.ones((1, 2)), 3, 3),
+                               binary, 10.0)
+    assert infeasible.status == 2

@@ -30,9 +30,10 @@ the first member's x (``owner``); flow blocks are keyed by owners, and values wh
 blocks are one set share one y paying the sum of their costs (AutoParallel's clustering of
 repeated layers, made exact for the restricted program).
 
-Solved with HiGHS through scipy.optimize.milp. A program over ``max_vars`` variables is abandoned
-while enumerating (``_TooLarge``, a lower bound) or, counted exactly, before any cost is priced
-or row built (``_over_cap``).
+Solved with HiGHS through scipy.optimize.milp: the LP relaxation first, taken where its choice
+variables come out 0/1 (``_solve``; on every program seen they do), else the MIP. A program over
+``max_vars`` variables is abandoned while enumerating (``_TooLarge``, a lower bound) or, counted
+exactly, before any cost is priced or row built (``_over_cap``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,35 @@ class Solution:
     objective: float
     seconds: float
     status: str
+
+
+def _solve(cost: np.ndarray, rows, integrality: np.ndarray, time_limit: float):
+    """scipy's ``milp`` result for min ``cost @ x`` under ``rows``, 0 <= x <= 1, the variables
+    marked in ``integrality`` binary. The LP relaxation first: the flow rows make it integral
+    on the programs seen (every ILP of the 2-D demo Llama), and HiGHS's MIP spends as long
+    again on heuristics before that same root LP. Its answer is taken when every binary
+    variable is 0 or 1 (then it is the MIP's optimum: same objective, possibly another of
+    equal cost); an infeasible LP as it is (the MIP is infeasible too); otherwise the MIP, in
+    the time left of ``time_limit`` (seconds)."""
+    from scipy.optimize import Bounds, milp
+
+    start = time.perf_counter()
+    lp = milp(cost, constraints=rows, integrality=np.zeros_like(integrality),
+              bounds=Bounds(0, 1), options={"time_limit": time_limit, "presolve": True})
+    if lp.status == 2:  # the relaxation is infeasible: so is the MIP
+        return lp
+    if lp.status == 0 and lp.x is not None:
+        x = lp.x[integrality == 1]
+        if np.all(np.minimum(np.abs(x), np.abs(1.0 - x)) <= _INTEGRAL_TOL):
+            return lp
+    left = max(time_limit - (time.perf_counter() - start), 1.0)
+    return milp(cost, constraints=rows, integrality=integrality, bounds=Bounds(0, 1),
+                options={"time_limit": left, "presolve": True})
+
+
+# a relaxed choice variable this close to 0 or 1 is taken as integral (HiGHS's own MIP
+# feasibility tolerance is 1e-6)
+_INTEGRAL_TOL = 1e-7
 
 
 class ShardingILP:
@@ -297,7 +327,7 @@ class ShardingILP:
 
     # -- the program -----------------------------------------------------------------------------
     def solve(self, time_limit: float = 60.0) -> Solution | None:
-        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.optimize import LinearConstraint
         from scipy.sparse import coo_matrix
 
         if self.too_large:
@@ -450,9 +480,7 @@ class ShardingILP:
         a = coo_matrix((vals, (rows, cols)), shape=(len(lo), n_var)).tocsr()
         integrality = np.zeros(n_var)
         integrality[:len(xi)] = 1
-        res = milp(np.asarray(cost), constraints=LinearConstraint(a, lo, hi),
-                   integrality=integrality, bounds=Bounds(0, 1),
-                   options={"time_limit": time_limit, "presolve": True})
+        res = _solve(np.asarray(cost), LinearConstraint(a, lo, hi), integrality, time_limit)
         seconds = time.perf_counter() - t0
         if res.status == 2 and self.budget:
             log.info("dynamo_dist: no plan of this ILP keeps at most %d bytes for the backward "
