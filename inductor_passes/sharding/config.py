@@ -34,7 +34,8 @@ class PlannerConfig:
     ``method``: ILP (default) or the greedy walk alone.
     ``greedy_rounds``: greedy walks, each treating the redistributes the best plan so far paid
     for as already available (a small local search).
-    ``ilp_time_limit_s``: HiGHS time limit of each ILP.
+    ``ilp_time_limit_s``: HiGHS time limit of each ILP (seconds; its LP relaxation and, where that
+    is not integral, the MIP share it: ``solver._solve``).
     ``joint_max_vars``: the joint N-D ILP is tried only below this many variables (it is the exact
     optimum but grows fast: 238k variables for Llama-3-8B shapes on 8 x 8 even with repeated
     layers sharing variables, not solved in 30 s; at 100k it is abandoned while enumerating,
