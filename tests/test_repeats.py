@@ -224,13 +224,13 @@ def test_the_lp_relaxation_reaches_the_mips_optimum(fake_mesh, layers, pins, mon
     2-D mesh: the joint N-D ILP), the plan then costs what the MIP alone reaches (the MIP forced
     by a tolerance no relaxed value meets). (Between per-axis ILPs the two may break ties
     differently, and the descent then ends elsewhere: not compared.)"""
+    import scipy.optimize
+
     from inductor_passes.sharding import solver
 
     mesh = fake_mesh((2, 2), ("dp", "tp"))
     gm = _stack(layers)
     pls = [a + b for a, b in pins[:1 + 2 * layers]]
-    import scipy.optimize
-
     calls = []
     milp = scipy.optimize.milp
     with monkeypatch.context() as m:  # the relaxation's answer taken: one solve, not two
