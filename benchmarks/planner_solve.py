@@ -42,17 +42,15 @@ def _captured_planning(layers: int, axes: dict[str, int]):
 
     import dynamo_dist
     import dynamo_dist.backend as backend
-    from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
+    from dynamo_dist.plans import shard_module
     from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
+    from dynamo_dist.testing.zoo.cell import plan_model
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
     size = LlamaSize(layers=layers)
     model = build_llama(size)
-    plan = TensorParallelPlanner(axis="tp").build_plan(model) if "tp" in axes else None
-    if "dp" in axes:
-        plan = DataParallelPlanner(axis="dp", mesh_axis_size=axes["dp"]).build_plan(model, plan)
-    shard_module(model, mesh, plan)
+    shard_module(model, mesh, plan_model(model, axes))
     seen: list = []
     original = backend.propagate
 
@@ -78,6 +76,7 @@ def _captured_planning(layers: int, axes: dict[str, int]):
 def _run(args) -> dict:
     sys.path.insert(0, ROOT)
     os.environ["DYNAMO_DIST_PLAN_CACHE"] = "0"
+    import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -88,7 +87,6 @@ def _run(args) -> dict:
     axes = parse_mesh(args.mesh)
     world = math.prod(axes.values())
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    import torch
     result = {"benchmark": "planner_solve", "mesh": args.mesh, "reps": args.reps,
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": machine_info(torch.device("cpu"), world), "rows": [], "ratios": {}}

@@ -95,6 +95,11 @@ class Solution:
     status: str
 
 
+# a relaxed choice variable this close to 0 or 1 is taken as integral (HiGHS's own MIP
+# feasibility tolerance is 1e-6)
+_INTEGRAL_TOL = 1e-7
+
+
 def _solve(cost: np.ndarray, rows, integrality: np.ndarray, time_limit: float):
     """scipy's ``milp`` result for min ``cost @ x`` under ``rows``, 0 <= x <= 1, the variables
     marked in ``integrality`` binary. The LP relaxation first: the flow rows make it integral
@@ -117,11 +122,6 @@ def _solve(cost: np.ndarray, rows, integrality: np.ndarray, time_limit: float):
     left = max(time_limit - (time.perf_counter() - start), 1.0)
     return milp(cost, constraints=rows, integrality=integrality, bounds=Bounds(0, 1),
                 options={"time_limit": left, "presolve": True})
-
-
-# a relaxed choice variable this close to 0 or 1 is taken as integral (HiGHS's own MIP
-# feasibility tolerance is 1e-6)
-_INTEGRAL_TOL = 1e-7
 
 
 class ShardingILP:
