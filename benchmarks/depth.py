@@ -56,9 +56,10 @@ def _child(args) -> dict:
 
     from benchmarks.bench.machine import load_average
     from dynamo_dist import compile_records
-    from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
+    from dynamo_dist.plans import shard_module
     from dynamo_dist.testing.demo import parse_mesh
     from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
+    from dynamo_dist.testing.zoo.cell import plan_model
 
     row = {"layers": args.layers, "variant": args.variant, "load_start": load_average()}
     axes = parse_mesh(args.mesh)
@@ -111,10 +112,7 @@ def _child(args) -> dict:
     mesh = init_device_mesh(device.type, tuple(axes.values()), mesh_dim_names=tuple(axes))
     ref = build_llama(size).to(device)
     model = build_llama(size).to(device)
-    plan = TensorParallelPlanner(axis="tp").build_plan(model) if "tp" in axes else None
-    if "dp" in axes:
-        plan = DataParallelPlanner(axis="dp", mesh_axis_size=axes["dp"]).build_plan(model, plan)
-    shard_module(model, mesh, plan)
+    shard_module(model, mesh, plan_model(model, axes))
     # "dist" is an entry point of the installed package; run from a checkout, pass the function
     import dynamo_dist
     backend = "dist" if "dist" in torch._dynamo.list_backends() else dynamo_dist.dist_backend

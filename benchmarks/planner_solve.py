@@ -1,28 +1,33 @@
-"""Planning time with the sharding ILPs solved as their LP relaxation first, against the MIP alone.
+"""Planning time of planner variants on the same captured program: what a planner change buys.
 
     python -m benchmarks.planner_solve [--layers 2 4] [--mesh dp=2,tp=2] [--reps 3]
+    python -m benchmarks.planner_solve --variants shipped classes-only \
+        --out benchmarks/results/planner_outside.json
 
-``sharding.solver._solve`` solves each ILP's LP relaxation and takes its answer where every choice
-variable comes out 0 or 1; otherwise the MIP (HiGHS through scipy). This script measures what
-that buys. The demo-width Llama (``LlamaSize``, only the layer count varies), sharded by the stock
+The demo-width Llama (``LlamaSize``, only the layer count varies), sharded by the stock
 planners (Megatron on ``tp``, FSDP on ``dp``), is captured once per depth on torch's ``fake``
 process group (rank 0: nothing runs). The captured program's planning (``propagate``, the
-whole pipeline of ILPs: per-axis start, pricing, the joint ILP outside the repeated layers,
-descent) is then run ``--reps`` times per variant, the variants alternating, in one process:
+whole pipeline of ILPs: per-axis start, pricing, the joint ILP outside the layers,
+descent) is then run ``--reps`` times per variant, the variants alternating, in one process.
+Variants (``--variants``, the first is the one the ratios put on top):
 
-* ``lp-first``: as shipped;
-* ``mip``: ``solver._INTEGRAL_TOL`` set below zero, so no relaxed answer is ever taken.
+* ``shipped``: the planner as it is (each ILP solved as its LP relaxation first,
+  ``sharding.solver._solve``);
+* ``mip``: ``solver._INTEGRAL_TOL`` set below zero, so no relaxed answer is ever taken;
+* ``classes-only``: the joint ILP outside the layers fixes only the nodes of repeat classes
+  (``propagate.layer_of`` patched to see no layer), the rule before 2026-11-27.
 
 Reported per depth and variant: the median planning seconds (wall) over the repeats, each
 run's seconds, the plan's cost (the objective the planner minimises, bytes-equivalent; equal
-costs are the check that the relaxation lost nothing) and the ratio lp-first / mip of the
-medians. Writes ``benchmarks/results/planner_solve.json`` and
-``planner_solve.md``.
+costs are the check that the faster variant lost nothing) and the ratio of the medians, first
+variant over each other. Writes ``--out`` (default ``benchmarks/results/planner_solve.json``)
+and the same name with ``.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -73,6 +78,31 @@ def _captured_planning(layers: int, axes: dict[str, int]):
     return lambda: original(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def _variant(name: str):
+    """The planner as variant ``name`` plans (see the module docstring); ValueError if unknown."""
+    from inductor_passes.sharding import propagate, solver
+
+    if name == "shipped":
+        yield
+        return
+    if name == "mip":
+        saved, solver._INTEGRAL_TOL = solver._INTEGRAL_TOL, -1.0
+        try:
+            yield
+        finally:
+            solver._INTEGRAL_TOL = saved
+        return
+    if name == "classes-only":
+        saved, propagate.layer_of = propagate.layer_of, lambda node: None
+        try:
+            yield
+        finally:
+            propagate.layer_of = saved
+        return
+    raise ValueError(f"unknown variant {name!r}: use shipped, mip or classes-only")
+
+
 def _run(args) -> dict:
     sys.path.insert(0, ROOT)
     os.environ["DYNAMO_DIST_PLAN_CACHE"] = "0"
@@ -82,45 +112,45 @@ def _run(args) -> dict:
 
     from benchmarks.bench.machine import load_average, machine_info
     from dynamo_dist.testing.demo import parse_mesh
-    from inductor_passes.sharding import solver
 
     axes = parse_mesh(args.mesh)
     world = math.prod(axes.values())
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     result = {"benchmark": "planner_solve", "mesh": args.mesh, "reps": args.reps,
+              "variants": args.variants,
               "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": machine_info(torch.device("cpu"), world), "rows": [], "ratios": {}}
-    shipped = solver._INTEGRAL_TOL
+    first = args.variants[0]
     for layers in args.layers:
         plan_again = _captured_planning(layers, axes)
-        times: dict[str, list[float]] = {"lp-first": [], "mip": []}
-        costs: dict[str, set] = {"lp-first": set(), "mip": set()}
+        times: dict[str, list[float]] = {v: [] for v in args.variants}
+        costs: dict[str, set] = {v: set() for v in args.variants}
         load_start = load_average()
         for _ in range(args.reps):
-            for variant in times:  # alternating: both see the same machine load
-                solver._INTEGRAL_TOL = shipped if variant == "lp-first" else -1.0
-                try:
+            for variant in times:  # alternating: every variant sees the same machine load
+                with _variant(variant):
                     t = time.perf_counter()
                     plan = plan_again()
                     times[variant].append(time.perf_counter() - t)
-                finally:
-                    solver._INTEGRAL_TOL = shipped
                 costs[variant].add(round(plan.total_cost, 3))
         for variant, ts in times.items():
             result["rows"].append({"layers": layers, "variant": variant,
                                    "median_s": statistics.median(ts), "runs_s": ts,
                                    "plan_cost": sorted(costs[variant]),
                                    "load_start": load_start, "load_end": load_average()})
-        result["ratios"][f"{layers} layers: planning, lp-first / mip (medians)"] = round(
-            statistics.median(times["lp-first"]) / statistics.median(times["mip"]), 3)
-        result["ratios"][f"{layers} layers: same plan cost"] = costs["lp-first"] == costs["mip"]
+        for other in args.variants[1:]:
+            result["ratios"][f"{layers} layers: planning, {first} / {other} (medians)"] = round(
+                statistics.median(times[first]) / statistics.median(times[other]), 3)
+            result["ratios"][f"{layers} layers: same plan cost, {first} and {other}"] = \
+                costs[first] == costs[other]
     dist.destroy_process_group()
     return result
 
 
 def _markdown(result: dict) -> str:
     m = result["machine"]
-    lines = [f"# Planning time: LP relaxation first against the MIP alone (mesh {result['mesh']})",
+    lines = [f"# Planning time by planner variant: {', '.join(result['variants'])} "
+             f"(mesh {result['mesh']})",
              "", f"Generated by `python -m benchmarks.planner_solve` (see its docstring) on "
              f"{result['date']}: torch {m['torch']}, {m['cores']} cores ({m['cpu']}). "
              f"{result['reps']} plannings per cell, the variants alternating in one process.", "",
@@ -141,8 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--mesh", default="dp=2,tp=2")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=["shipped", "mip"],
+                    help="shipped, mip, classes-only (2 or more; the first is compared to "
+                         "each other)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "planner_solve.json"))
     args = ap.parse_args(argv)
+    if len(args.variants) < 2:
+        ap.error("--variants needs at least two variants to compare")
     result = _run(args)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

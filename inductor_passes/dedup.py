@@ -29,8 +29,8 @@ import torch
 import torch.fx as fx
 
 from inductor_passes.core.collectives import functional_collective_name
+from inductor_passes.core.layers import layer_of
 
-from .outline import layer_of
 from .schedule import movable
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default

@@ -38,13 +38,13 @@ import dataclasses
 import logging
 import operator
 import os
-import re
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
 from inductor_passes.core.collectives import collective_op
+from inductor_passes.core.layers import layer_of
 
 from .schedule import INVOKE_SUBGRAPH, movable
 
@@ -52,11 +52,6 @@ log = logging.getLogger("dynamo_dist.outline")
 
 # fewer nodes than this: the call costs more than the kernels it would spare
 MIN_NODES = 8
-# the first numbered entry of a module path: ".3", "[3]" or "['3']" (ModuleList, Sequential)
-_INDEX = re.compile(r"\.(\d+)(?=\.|\[|$)|\[(\d+)\]|\['(\d+)'\]")
-# the compiled frame's own source that a path starts with (``L['args'][0]``, ``G['model']``):
-# its subscripts are Python arguments, not module lists
-_ROOT = re.compile(r"^[LG]\[[^\]]*\](?:\[[^\]]*\])*")
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 # node meta key: a node of a layer that stays in the calling graph, never in the layer's body
 # (``prefetch``: a gather issued one layer early, and its wait)
@@ -96,22 +91,6 @@ class Outlined:
 
 class _Unsupported(Exception):
     """An instance that cannot be outlined (the reason is the message)."""
-
-
-def layer_of(node: fx.Node) -> tuple[str, int] | None:
-    """(family, index) of the numbered module that made ``node``, from its ``nn_module_stack``
-    (the innermost entry's path, first numbered component); None for code outside any."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path = list(stack.values())[-1]
-    path = str(path[0] if isinstance(path, tuple) else path)
-    root = _ROOT.match(path)
-    for m in _INDEX.finditer(path, root.end() if root else 0):
-        if path[:m.start()].endswith("__"):
-            continue  # a Python attribute's item (``forward.__closure__[2]``), not a module list
-        return path[:m.start()], int(next(g for g in m.groups() if g is not None))
-    return None
 
 
 def assign_layers(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, int]]:

@@ -70,7 +70,7 @@ def test_local_keys_tell_a_value_passed_twice_from_two_values():
                                                     ((2, 2), ("dp", "tp"), 2)])
 def test_sharing_keeps_the_optimum_on_a_stack_of_layers(fake_mesh, mesh_shape, names, ndim):
     """The same plan cost with repeat classes as with every node free (repeat_rounds=0), on a
-    1-D mesh (one ILP) and a 2-D mesh (per-axis start, joint ILP outside the repeated layers,
+    1-D mesh (one ILP) and a 2-D mesh (per-axis start, joint ILP outside the layers,
     descent); on 1-D the plan is Megatron's in every layer."""
     mesh = fake_mesh(mesh_shape, names)
     gm = _stack(8)
@@ -241,3 +241,42 @@ def test_the_lp_relaxation_reaches_the_mips_optimum(fake_mesh, layers, pins, mon
         m.setattr(solver, "_INTEGRAL_TOL", -1.0)
         mip = _plan(gm, mesh, pls, PlannerConfig())
     assert relaxed.total_cost == pytest.approx(mip.total_cost, rel=1e-9, abs=1e-6)
+
+
+def test_the_joint_ilp_outside_the_layers_frees_only_code_no_layer_made(fake_mesh, monkeypatch):
+    """On a 2-D mesh, the joint ILP after the pricing fixes every node a numbered layer made
+    (its ``nn_module_stack``), whatever its repeat class, and re-plans the rest (here the final
+    sum) on both axes at once; its plan keeps every layer's OpSpecs."""
+    from inductor_passes.core.layers import layer_of
+    from inductor_passes.sharding import propagate as planner
+
+    layers = 8
+    gm = _stack(layers)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for k, node in enumerate(calls[:4 * layers]):  # mm, relu, mm, add per layer
+        path = f"L['self'].layers.{k // 4}"
+        node.meta["nn_module_stack"] = {path: (path, torch.nn.Module)}
+    layered = {n.name for n in calls if layer_of(n) is not None}
+    outside = {n.name for n in calls} - layered
+    assert len(layered) == 4 * layers and outside
+    seen = []
+    original = planner._solve_ilp
+
+    def recording(*args, **kwargs):
+        if "budget" in kwargs:  # the whole-program ILP: as if over its cap
+            return None
+        out = original(*args, **kwargs)
+        if kwargs.get("free_axis") == -1 and "valid_base" not in kwargs:
+            seen.append((kwargs["base"], out))
+        return out
+
+    monkeypatch.setattr(planner, "_solve_ilp", recording)
+    plan = _plan(gm, fake_mesh((2, 2), ("dp", "tp")), _megatron(layers, axis=1, ndim=2),
+                 PlannerConfig(min_repeats=2))
+    assert any(s.stage.startswith("joint ILP outside the layers") for s in plan.stages)
+    (base, trial), = seen
+    assert layered <= set(base) and not outside & set(base)
+    assert trial is not None
+    for name in layered:
+        assert (trial.nodes[name].inputs, trial.nodes[name].output) == \
+            (base[name].inputs, base[name].output), name
