@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from inductor_passes.core import roles
+from inductor_passes.core.layers import layer_of
+from inductor_passes.sharding import propagate as planner
 from inductor_passes.sharding.config import PlannerConfig
 from inductor_passes.sharding.repeats import LocalKeys, repeat_classes
 from tests.test_solver import _graph, _plan
@@ -247,9 +249,6 @@ def test_the_joint_ilp_outside_the_layers_frees_only_code_no_layer_made(fake_mes
     """On a 2-D mesh, the joint ILP after the pricing fixes every node a numbered layer made
     (its ``nn_module_stack``), whatever its repeat class, and re-plans the rest (here the final
     sum) on both axes at once; its plan keeps every layer's OpSpecs."""
-    from inductor_passes.core.layers import layer_of
-    from inductor_passes.sharding import propagate as planner
-
     layers = 8
     gm = _stack(layers)
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
