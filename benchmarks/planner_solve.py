@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+import unittest.mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -78,29 +79,18 @@ def _captured_planning(layers: int, axes: dict[str, int]):
     return lambda: original(*args, **kwargs)
 
 
-@contextlib.contextmanager
 def _variant(name: str):
-    """The planner as variant ``name`` plans (see the module docstring); ValueError if unknown."""
+    """A context in which the planner plans as variant ``name`` (see the module docstring);
+    ValueError if unknown."""
     from inductor_passes.sharding import propagate, solver
 
-    if name == "shipped":
-        yield
-        return
-    if name == "mip":
-        saved, solver._INTEGRAL_TOL = solver._INTEGRAL_TOL, -1.0
-        try:
-            yield
-        finally:
-            solver._INTEGRAL_TOL = saved
-        return
-    if name == "classes-only":
-        saved, propagate.layer_of = propagate.layer_of, lambda node: None
-        try:
-            yield
-        finally:
-            propagate.layer_of = saved
-        return
-    raise ValueError(f"unknown variant {name!r}: use shipped, mip or classes-only")
+    patches = {"shipped": None,
+               "mip": (solver, "_INTEGRAL_TOL", -1.0),
+               "classes-only": (propagate, "layer_of", lambda node: None)}
+    if name not in patches:
+        raise ValueError(f"unknown variant {name!r}: use {', '.join(patches)}")
+    patch = patches[name]
+    return contextlib.nullcontext() if patch is None else unittest.mock.patch.object(*patch)
 
 
 def _run(args) -> dict:
