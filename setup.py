@@ -10,7 +10,7 @@ setup(
                                     "inductor_passes.*"]),
     install_requires=["torch>=2.11,<2.14", "rich>=13", "scipy>=1.11"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "transformers==5.24.0", "expecttest"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "transformers==5.24.0", "expecttest"],
         "bench": ["transformers>=5.0", "matplotlib>=3.8"],
         "gpu": ["triton"],
     },

@@ -6,7 +6,7 @@ VENV="${DYNAMO_DIST_VENV:-$ROOT/.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import torch, transformers, pytest, rich, dynamo_dist, torchtitan" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import torch, transformers, pytest, xdist, rich, dynamo_dist, torchtitan" 2>/dev/null; then
   "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0
   "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[test]"
   # torchtitan's Llama 3 and its own TP plan (tests/mp/torchtitan_tp.py), without its

@@ -5,13 +5,18 @@ import json
 
 import torch.distributed as dist
 
+from conftest import FULL
+
 
 def test_fast_opinfo_subset(tmp_path):
     from dynamo_dist.testing.conformance.__main__ import FAST_OPS, main
 
     out, js = tmp_path / "cov.md", tmp_path / "cov.json"
     try:
-        main(["--fast", "--out", str(out), "--json", str(js)])
+        # the default tier (CI) draws 4 placement sets per sample and 2 in place, the full
+        # tier the sweep's 8 and 4
+        sets = [] if FULL else ["--cases", "4", "--inplace-cases", "2"]
+        main(["--fast", *sets, "--out", str(out), "--json", str(js)])
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from conftest import lm_steps_at_parity
+from conftest import FULL, lm_steps_at_parity
 from test_sharding_properties import OPS, _mesh, _placement
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -29,7 +29,8 @@ from dynamo_dist.testing.zoo.cell import SimRuntime, global_value
 from inductor_passes.core.placements import fmt
 
 DIMS = st.sampled_from([2, 3, 4, 5, 6, 8])
-N_EXAMPLES = int(os.environ.get("DYNAMO_DIST_DYNAMIC_EXAMPLES", "30"))
+# 20 cases in the default tier (CI), 30 in the full one
+N_EXAMPLES = int(os.environ.get("DYNAMO_DIST_DYNAMIC_EXAMPLES", "30" if FULL else "20"))
 STATS = {"pass": 0, "refused": 0, "one_program": 0}
 
 
@@ -47,6 +48,8 @@ def cases(draw):
     return name, sizes, inputs, pins
 
 
+# one test worker runs the sweep and then its summary (scripts/test.sh: --dist loadgroup)
+@pytest.mark.xdist_group("dynamic_sweep")
 @settings(max_examples=N_EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck), phases=[Phase.generate])  # no shrinking:
 # each example compiles twice, and the failure message names the whole case
@@ -102,6 +105,7 @@ def test_one_program_at_other_sizes_computes_what_one_device_computes(fake_mesh,
     STATS["pass"] += 1
 
 
+@pytest.mark.xdist_group("dynamic_sweep")
 def test_dynamic_sweep_covered_the_symbolic_program():
     """Runs after the sweep (file order): some cases ran their second size on the program
     traced at the first (7 of 40 at this writing: where a split dim's second size is not a

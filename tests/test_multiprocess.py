@@ -7,14 +7,18 @@ import pytest
 from conftest import torchrun
 
 
-@pytest.mark.parametrize("model,inductor,extra", [("mlp", "1", ()),
+# the full tier (conftest.FULL) adds the even MLP (the uneven one covers its path) and 4 plain
+# layers (the nested regions' run has 4 outlined layers too)
+@pytest.mark.parametrize("model,inductor,extra", [pytest.param("mlp", "1", (),
+                                                               marks=pytest.mark.full),
                                                   ("mlp", "1", ("--hidden", "127")),
                                                   ("llama", "0", ("--local-logits",)),
                                                   ("llama", "0", ("--use-cache",)),
                                                   ("llama", "1", ("--layers", "4",
                                                                   "--nested-regions")),
                                                   ("llama", "1", ("--dynamic", "--steps", "5")),
-                                                  ("llama", "1", ("--layers", "4"))])
+                                                  pytest.param("llama", "1", ("--layers", "4"),
+                                                               marks=pytest.mark.full)])
 def test_two_rank_tp_parity(model, inductor, extra):
     """The Llama run also checks output_plan + return_local_tensor: logits come back as this
     rank's vocabulary shard, a plain tensor equal to that slice of one process's logits. Hidden
@@ -135,6 +139,7 @@ def test_every_redistribute_on_a_2x2_mesh():
     assert m and int(m.group(1)) == 858 + 262 + 318, out
 
 
+@pytest.mark.full  # the prefetched-gathers run trains the same mesh, under Inductor
 def test_four_rank_dp_tp_parity():
     out = torchrun("train_parity.py", 4, "--model", "llama", "--mesh", "dp=2,tp=2",
                    "--inductor", "0").stdout
@@ -171,7 +176,7 @@ def test_a_rank_failing_at_any_compile_stage_stops_every_rank(nproc):
     assert max(float(s) for _, _, s in faults) <= 10, out
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.full)])
 def test_meshes_in_any_device_order_train_like_one_process(nproc):
     """DeviceMesh over [1, 0] (and Mesh([1, 0])) on 2 ranks; [[3, 2], [1, 0]], [[2, 3], [0, 1]]
     and [[0, 2], [1, 3]] on 4: loss and gradients equal one process's (a gather on a permuted
@@ -189,6 +194,7 @@ def test_input_contract_check_names_the_input_that_differs():
     assert out.count("CONTRACT OK rank") == 2, out
 
 
+@pytest.mark.full  # Mixtral trains on 4 ranks under Inductor in the default tier (zoo cell)
 def test_two_rank_mixtral_moe_parity():
     """Mixtral-like MoE (transformers' default grouped_mm experts path: sort, index, histc,
     cumsum, its grouped GEMM op), tp=2 with a hand plan, Inductor, 3 AdamW steps: loss,
@@ -200,6 +206,7 @@ def test_two_rank_mixtral_moe_parity():
     assert float(m.group(3)) <= 1e-3 and m.group(4) == "0", out
 
 
+@pytest.mark.full  # torchtitan's model and TP plan run in the default tier under its FSDP2
 def test_torchtitan_llama3_with_its_own_tp_plan():
     """torchtitan's Llama 3 debug model (from its wheel), parallelized by torchtitan's own plan
     (``Module.parallelize``, sequence parallel off and on), compiled whole with
@@ -279,30 +286,40 @@ def test_serving_eval_and_generate_match_one_process():
     assert row["generate_compiles"] <= 3, row
 
 
+def _whole_steps(*variants: str) -> dict:
+    """Run tests/mp/whole_step.py's ``variants`` on 2 ranks; each one's row, after the checks
+    every variant passes: parity with one process (losses and parameters), exactly the
+    collectives of the forward and backward compiled alone, no fallback."""
+    import json
+
+    out = torchrun("whole_step.py", 2, "--variant", ",".join(variants), timeout=600).stdout
+    rows = {r["variant"]: r for r in (json.loads(line) for line in out.splitlines()
+                                      if line.startswith("{"))}
+    assert set(rows) == set(variants), out[-2000:]
+    for row in rows.values():
+        assert row["loss_rel"] <= 1e-5 and row["param_rel"] <= 1e-4, row
+        assert row["collectives"] == row["alone"] and row["collectives"], row
+        assert row["fallbacks"] == 0, row
+    return rows
+
+
 def test_whole_training_step_is_one_program_at_parity():
     """transformers' Llama on tp=2 (Megatron planner), a step function doing forward,
     ``loss.backward()``, AdamW ``opt.step()`` and ``opt.zero_grad()`` compiled with
     ``backend="dist"`` and Inductor: one program, no graph break, 5 steps at parity with one
     process (losses and parameters), and exactly the collectives of the forward and backward
     compiled alone (Megatron's all_reduces: the update communicates nothing). It was 8 graphs
-    and 24 breaks.
+    and 24 breaks."""
+    one = _whole_steps("one_program")["one_program"]
+    assert one["graphs"] == 1 and one["breaks"] == [], one
 
-    The steps Dynamo splits at ``loss.backward()`` (returning ``loss`` itself; reading
+
+@pytest.mark.full  # the split steps' backward is eager DTensor, which other tests run
+def test_training_steps_split_at_backward_train_at_parity():
+    """The steps Dynamo splits at ``loss.backward()`` (returning ``loss`` itself; reading
     ``opt.param_groups`` before the forward) run the backward eagerly under Dynamo's frame hook:
     at parity too, with the same collectives. They crashed real ranks in about 3 runs of 4
     (SIGSEGV inside DTensor's C++ dispatch) and failed under Inductor."""
-    import json
-
-    out = torchrun("whole_step.py", 2, "--variant", "one_program,returns_loss,lr_first",
-                   timeout=600).stdout
-    rows = {r["variant"]: r for r in (json.loads(line) for line in out.splitlines()
-                                      if line.startswith("{"))}
-    assert set(rows) == {"one_program", "returns_loss", "lr_first"}, out[-2000:]
-    for row in rows.values():
-        assert row["loss_rel"] <= 1e-5 and row["param_rel"] <= 1e-4, row
-        assert row["collectives"] == row["alone"] and row["collectives"], row
-        assert row["fallbacks"] == 0, row
-    one = rows["one_program"]
-    assert one["graphs"] == 1 and one["breaks"] == [], one
+    rows = _whole_steps("returns_loss", "lr_first")
     assert rows["returns_loss"]["graphs"] == 2, rows["returns_loss"]
     assert "dist: backward() would miss a parameter" in rows["lr_first"]["breaks"], rows

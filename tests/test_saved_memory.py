@@ -156,7 +156,9 @@ def test_a_budget_gets_the_plan_of_the_least_weight_that_fits(fake_mesh, method)
     assert str(frugal.saved_bytes) in str(err.value) and "fix:" in str(err.value)
 
 
-@pytest.mark.parametrize("shape", [{"tp": 2}, {"dp": 2, "tp": 2}])
+# one mesh of each test in the default tier: the budget on the 2-D mesh, the parity on tp=2
+@pytest.mark.parametrize("shape", [pytest.param({"tp": 2}, marks=pytest.mark.full),
+                                   {"dp": 2, "tp": 2}])
 def test_a_compiled_program_keeps_to_its_budget(fake_mesh, shape):
     """Through ``torch.compile``'s options: the demo's Llama (narrowed) on tp=2 and dp=2 x tp=2
     (FSDP and Megatron) with a budget of 80% of what the unbudgeted plan keeps for the
@@ -190,7 +192,8 @@ def test_the_weight_is_validated_and_read_from_the_environment():
     assert PlannerConfig().saved_memory_weight == 0.0  # off: the textbook plans by default
 
 
-@pytest.mark.parametrize("shape", [{"tp": 2}, {"dp": 2, "tp": 2}])
+@pytest.mark.parametrize("shape", [{"tp": 2},
+                                   pytest.param({"dp": 2, "tp": 2}, marks=pytest.mark.full)])
 def test_a_memory_priced_llama_trains_at_parity(shape):
     """The demo's Llama (transformers), narrowed, with the weight high enough to move the plan
     off Megatron's (sequence-split norms and loss): two steps' losses and gradients equal one

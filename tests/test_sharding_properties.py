@@ -12,6 +12,7 @@ A case passes when the forward values and the input gradients match one device; 
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 from dynamo_dist import compile_records, with_sharding_constraint
 from dynamo_dist.testing.conformance.simulate import run_spmd
 from inductor_passes.core.placements import fmt
+
+from conftest import FULL
 
 # name: (program of x, y, the value's global shapes from (m, k, n)); every program's output
 # is a function of both inputs, so both get a gradient
@@ -75,9 +78,12 @@ def _nested(shape_pls):
                for pls in shape_pls for d in range(4))
 
 
-N_EXAMPLES = int(os.environ.get("DYNAMO_DIST_PROPERTY_EXAMPLES", "200"))
+# 120 cases in the default tier (CI), 200 in the full one
+N_EXAMPLES = int(os.environ.get("DYNAMO_DIST_PROPERTY_EXAMPLES", "200" if FULL else "120"))
 
 
+# one test worker runs the sweep and then its summary (scripts/test.sh: --dist loadgroup)
+@pytest.mark.xdist_group("property_sweep")
 @settings(max_examples=N_EXAMPLES, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(case=cases())
@@ -133,6 +139,7 @@ def _mesh(fake_mesh, shape):
     return _mesh.current
 
 
+@pytest.mark.xdist_group("property_sweep")
 def test_property_sweep_covered_nested_splits():
     """Runs after the sweep (file order): it exercised nested splits and computed most cases
     rather than refusing them. Selected alone, it checks the generator draws nested splits."""
