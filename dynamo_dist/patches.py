@@ -36,6 +36,7 @@ def install() -> None:
     if torch.distributed.is_available():
         install_dead_mesh_lookup_removal()
         install_process_group_guard()
+        install_sharding_cache_clear_on_destroy()
         install_metadata_attr_folding()
     install_backend_ctx_with_options()
     install_whole_step()
@@ -656,6 +657,33 @@ def install_dead_mesh_lookup_removal() -> bool:
 
     remove_unused_graphargs._dynamo_dist_patch = True
     OutputGraph.remove_unused_graphargs = remove_unused_graphargs
+    return True
+
+
+def install_sharding_cache_clear_on_destroy() -> bool:
+    """After ``torch.distributed.destroy_process_group``, clear DTensor's sharding-propagation
+    caches. Their keys compare meshes by value (shape, axis names, ranks), so a new mesh equal
+    to a destroyed one hit entries holding the old mesh: an op's output DTensor came back on
+    the destroyed mesh, and a later compile failed in Dynamo with "Group ... is not registered"
+    (a process that tears its process group down and builds it again, as the tests do).
+    Idempotent; applies to callers that look the function up on ``torch.distributed`` or
+    ``distributed_c10d`` (a name imported before this ran keeps the original)."""
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.destroy_process_group
+    if getattr(original, "_dynamo_dist_patch", False):
+        return True
+
+    @functools.wraps(original)
+    def destroy_process_group(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _clear_dtensor_sharding_caches()
+
+    destroy_process_group._dynamo_dist_patch = True
+    distributed_c10d.destroy_process_group = destroy_process_group
+    torch.distributed.destroy_process_group = destroy_process_group
     return True
 
 

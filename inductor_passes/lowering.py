@@ -256,15 +256,18 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
             args, kwargs = pytree.tree_map_only(
                 fx.Node, lambda a: local_in[a] if a in local_in else env[a], (node.args, node.kwargs))
             idx = size_arg(node.target)
+            # a size argument's local sizes are computed on the global sizes rebuilt from this
+            # trace's primals (``traced``): arithmetic on a global size the trace never made (a
+            # reshape to 8*s0**2) fails in make_fx ("is not tracked with proxy")
             if idx is not None and idx < len(args) and is_placements(np.output):
                 args = list(args)
-                args[idx] = traced(list(local_shape(_global_shape(node.meta["val"]), np.output,
-                                                    mesh_shape, coord)))
+                args[idx] = list(local_shape(traced(_global_shape(node.meta["val"])), np.output,
+                                             mesh_shape, coord))
             idx, out_idx = _OUTPUT_SIZE_ARG.get(node.target, (None, None))
             if idx is not None and args[idx] is not None and np.output[out_idx] is not None:
                 args = list(args)
-                args[idx] = traced(list(local_shape(_global_shape(node.meta["val"][out_idx]),
-                                                    np.output[out_idx], mesh_shape, coord)))
+                args[idx] = list(local_shape(traced(_global_shape(node.meta["val"][out_idx])),
+                                             np.output[out_idx], mesh_shape, coord))
             if node.target in _CUTS:
                 args = _local_cuts(node, args, np, mesh_shape)
             target = _LOCAL_IMPL.get(node.target, node.target)
@@ -277,7 +280,7 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 out = own(args, kwargs, mesh_shape, coord)
             else:
                 out = target(*args, **kwargs)
-            _check_local(node, out, np.output, mesh_shape, mesh, coord)
+            _check_local(node, out, np.output, mesh_shape, mesh, coord, traced)
             env[node] = out
 
         for node in gm.graph.nodes:
@@ -395,16 +398,20 @@ def _laid_out(out: torch.Tensor, val: torch.Tensor, placements: Placements,
     """A forward output's local value in the layout the runtime declares for it (dense, in the
     dim order of the GLOBAL value the program traced: ``layout.output_strides``); a copy only
     where lowering produced another layout (a gathered value is contiguous)."""
-    want, _ = layout.output_strides(tuple(map(compat.fixed_size, val.shape)),
-                                    tuple(map(compat.fixed_size, val.stride())),
+    rebuild = traced or (lambda sizes: sizes)  # the global sizes, on the trace's primals
+    want, _ = layout.output_strides(rebuild(tuple(map(compat.fixed_size, val.shape))),
+                                    rebuild(tuple(map(compat.fixed_size, val.stride()))),
                                     placements, mesh_shape, coord)
     if layout.same_layout(tuple(out.shape), out.stride(), want):
         return out
-    return torch.ops.prims.copy_strided.default(out, list(traced(want) if traced else want))
+    return torch.ops.prims.copy_strided.default(out, list(want))
 
 
 def _check_local(node: fx.Node, out, placements, mesh_shape: Sequence[int], mesh,
-                 coord: Sequence[int]) -> None:
+                 coord: Sequence[int], traced) -> None:
+    """Raise an internal DistCompileError when ``out`` (local) is not the piece at ``coord`` of
+    ``node``'s GLOBAL value under ``placements``. ``traced``: rebuilds global sizes on the
+    trace's primals (``_sizes_from``), so that the expected shape's arithmetic is traced."""
     val = node.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else [val]
     outs = out if isinstance(out, (tuple, list)) else [out]
@@ -412,7 +419,7 @@ def _check_local(node: fx.Node, out, placements, mesh_shape: Sequence[int], mesh
     for v, o, p in zip(vals, outs, pls):
         if not isinstance(v, torch.Tensor) or p is None:
             continue
-        want = local_shape(_global_shape(v), p, mesh_shape, coord)
+        want = local_shape(traced(_global_shape(v)), p, mesh_shape, coord)
         if tuple(o.shape) != want:
             raise DistCompileError(
                 f"internal: local shape {tuple(o.shape)} of {node.name} does not match global "

@@ -401,3 +401,20 @@ def test_make_fx_tracker_hooks_copy_a_node_into_a_trace():
     assert torch.equal(gm(torch.ones(4)), torch.full((4,), 5.0))
     assert "stack_trace" not in compat.TRACED_META_FIELDS and \
         "nn_module_stack" in compat.TRACED_META_FIELDS
+
+
+def test_a_mesh_made_again_after_destroy_gets_its_own_dtensor_outputs(fake_mesh):
+    """DTensor's sharding cache compares meshes by value: without the clear on
+    ``destroy_process_group`` (``patches.install_sharding_cache_clear_on_destroy``) an op on a
+    mesh built again after a teardown returned a DTensor on the destroyed mesh, and a later
+    compile failed in Dynamo ("Group ... is not registered")."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    patches.install()
+    outs = []
+    for _ in range(2):
+        mesh = fake_mesh((2, 2), ("dp", "tp"))
+        a = distribute_tensor(torch.randn(8, 16, 64), mesh, [Shard(2), Shard(0)])
+        b = distribute_tensor(torch.randn(8, 16, 64), mesh, [Shard(0), Shard(2)])
+        outs.append((a + b).device_mesh is mesh)
+    assert outs == [True, True]
