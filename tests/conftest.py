@@ -20,6 +20,7 @@ FULL = os.environ.get("DYNAMO_DIST_FULL_TESTS", "0") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
+    """Outside the full tier, deselect the tests marked ``full`` (pytest reports how many)."""
     if FULL:
         return
     full = [item for item in items if item.get_closest_marker("full")]

@@ -7,8 +7,9 @@ import pytest
 from conftest import torchrun
 
 
-# the full tier (conftest.FULL) adds the even MLP (the uneven one covers its path) and 4 plain
-# layers (the nested regions' run has 4 outlined layers too)
+# the full tier (conftest.FULL) adds the even MLP (the uneven one covers its path), 4 plain
+# layers (the nested regions' run has 4 outlined layers too) and dynamic lengths (simulated in
+# test_dynamic_shapes; the dp=2 dynamic batch below is a real run)
 @pytest.mark.parametrize("model,inductor,extra", [pytest.param("mlp", "1", (),
                                                                marks=pytest.mark.full),
                                                   ("mlp", "1", ("--hidden", "127")),
@@ -16,7 +17,9 @@ from conftest import torchrun
                                                   ("llama", "0", ("--use-cache",)),
                                                   ("llama", "1", ("--layers", "4",
                                                                   "--nested-regions")),
-                                                  ("llama", "1", ("--dynamic", "--steps", "5")),
+                                                  pytest.param("llama", "1",
+                                                               ("--dynamic", "--steps", "5"),
+                                                               marks=pytest.mark.full),
                                                   pytest.param("llama", "1", ("--layers", "4"),
                                                                marks=pytest.mark.full)])
 def test_two_rank_tp_parity(model, inductor, extra):

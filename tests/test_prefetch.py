@@ -63,7 +63,8 @@ def _llama(fake_mesh, layers=3, hidden=64, tp=False, inductor=True):
     return lambda: fn(input_ids=ids, labels=ids).loss.backward()
 
 
-@pytest.mark.parametrize("on", ["1", "0"])
+# off (CPU's default) in the full tier: most other compiled tests run without prefetch
+@pytest.mark.parametrize("on", ["1", pytest.param("0", marks=pytest.mark.full)])
 def test_generated_code_gathers_the_next_layer_while_this_one_runs(fake_mesh, monkeypatch, on):
     """A Llama with FSDP on dp=2 (ZeRO-3: the backward gathers again), 3 outlined layers: with
     prefetch the gathers of layers 1 and 2 (forward) and of the backward's second and third
