@@ -394,13 +394,13 @@ def _sizes_from(primals: Sequence[torch.Tensor]):
 
 
 def _laid_out(out: torch.Tensor, val: torch.Tensor, placements: Placements,
-              mesh_shape: Sequence[int], coord: Sequence[int], traced=None) -> torch.Tensor:
+              mesh_shape: Sequence[int], coord: Sequence[int], traced) -> torch.Tensor:
     """A forward output's local value in the layout the runtime declares for it (dense, in the
     dim order of the GLOBAL value the program traced: ``layout.output_strides``); a copy only
-    where lowering produced another layout (a gathered value is contiguous)."""
-    rebuild = traced or (lambda sizes: sizes)  # the global sizes, on the trace's primals
-    want, _ = layout.output_strides(rebuild(tuple(map(compat.fixed_size, val.shape))),
-                                    rebuild(tuple(map(compat.fixed_size, val.stride()))),
+    where lowering produced another layout (a gathered value is contiguous). ``traced``:
+    rebuilds global sizes on the trace's primals (``_sizes_from``)."""
+    want, _ = layout.output_strides(traced(tuple(map(compat.fixed_size, val.shape))),
+                                    traced(tuple(map(compat.fixed_size, val.stride()))),
                                     placements, mesh_shape, coord)
     if layout.same_layout(tuple(out.shape), out.stride(), want):
         return out

@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
     full = [item for item in items if item.get_closest_marker("full")]
     if full:
         config.hook.pytest_deselected(items=full)
-        items[:] = [item for item in items if not item.get_closest_marker("full")]
+        items[:] = [item for item in items if item not in full]
 
 
 class SmallMLP(torch.nn.Module):
