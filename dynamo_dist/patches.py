@@ -43,6 +43,45 @@ def install() -> None:
     install_symbolic_plain_tensor_wrapping()
     install_dynamo_tracing_fallback()
     install_strided_redistribute_fallback()
+    install_plain_random_while_tracing()
+
+
+def install_plain_random_while_tracing() -> bool:
+    """While Dynamo traces for ``dist``, DTensor's random ops (dropout's bernoulli, rand, ...)
+    run on their fake local tensors as plain ops, past DTensor's RNG tracker.
+
+    On a CUDA mesh DTensor creates an ``OffsetBasedRNGTracker`` at the first random op and
+    runs the op in its ``_distribute_region``, which reads and writes the GPU's real generator
+    state. Under Dynamo's fake tensors torch 2.11 then failed ("Please convert all Tensors to
+    FakeTensors first", on ``aten.to`` of the 16-byte Philox state): every model with dropout
+    (GPT-2, OPT, BERT, T5) crashed on a GPU; a generator passed by the user takes that path on
+    2.13 too. Dynamo only needs the op's global shape and dtype here, and the ``dist`` backend
+    draws random values by its own rule (Replicate: every rank draws the global tensor; design
+    notes, "Random numbers"), so the tracker has nothing to do while tracing. Eager DTensor and
+    other backends keep it: the dispatch's ``is_rng_supported_mesh`` answers False (no tracker
+    is made while tracing) and a tracker made eagerly reads as disabled, for ``dist`` tracing
+    only. Returns whether it is installed (False where DTensor lacks those names)."""
+    modules = compat.dtensor_rng_modules()
+    if modules is None:
+        return False
+    dispatch, random = modules
+    tracker = random._RNGStateTracker
+    enabled = tracker.distribute_region_enabled
+    if getattr(enabled, "_dynamo_dist_original", None) is not None:
+        return True
+    supported = dispatch.is_rng_supported_mesh
+
+    def is_rng_supported_mesh(mesh) -> bool:
+        return False if _dist_tracing() else supported(mesh)
+
+    def region_enabled(self) -> bool:
+        return False if _dist_tracing() else enabled.fget(self)
+
+    dispatch.is_rng_supported_mesh = is_rng_supported_mesh
+    patched = property(region_enabled, enabled.fset, enabled.fdel, enabled.__doc__)
+    patched.fget._dynamo_dist_original = enabled
+    tracker.distribute_region_enabled = patched
+    return True
 
 
 def install_strided_redistribute_fallback() -> bool:
@@ -572,19 +611,48 @@ def _fails_on_one_device(op_schema, exc: Exception) -> Exception:
 
 
 def _replicated_output_specs(prop, op_schema):
-    """Replicated DTensorSpecs for an op's outputs, metadata from running it on fakes."""
+    """Replicated DTensorSpecs for an op's outputs, metadata from running it on fakes of the
+    global arguments on the mesh's device type (DTensor's own metadata propagation makes CPU
+    fakes: on a CUDA mesh an op whose CPU kernel lacks a dtype, ``histc`` of int32 as
+    transformers' MoE calls it on GPUs, failed there)."""
     from torch.distributed.tensor.placement_types import Replicate
 
     mesh = next(s.mesh for s in pytree.tree_leaves((op_schema.args_schema, op_schema.kwargs_schema))
                 if isinstance(s, DTensorSpec))
     reps = tuple(Replicate() for _ in range(mesh.ndim))
-    meta = prop._propagate_tensor_meta_non_cached(op_schema)
+    meta = _fake_output_meta(prop, op_schema, mesh.device_type)
     if isinstance(meta, TensorMeta):
         return DTensorSpec(mesh, reps, tensor_meta=meta)
     if isinstance(meta, (tuple, list)):
         return tuple(None if m is None else DTensorSpec(mesh, reps, tensor_meta=m) for m in meta)
     return None
 
+
+
+def _fake_output_meta(prop, op_schema, device_type: str):
+    """TensorMeta (or a list of them, None for non-tensors) of the op's outputs, run on fake
+    global arguments made on ``device_type``."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    def fake(spec: DTensorSpec) -> torch.Tensor:
+        m = spec.tensor_meta
+        return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=device_type)
+
+    def fakes(tree):
+        return pytree.tree_map_only(DTensorSpec, fake, tree,
+                                    is_leaf=lambda x: isinstance(x, DTensorSpec))
+
+    # DTensor serialises its own fake runs with this lock (multi-threaded tests)
+    with getattr(type(prop), "_fake_mode_lock", contextlib.nullcontext()):
+        with detect_fake_mode() or FakeTensorMode(), disable_proxy_modes_tracing():
+            out = op_schema.op(*fakes(op_schema.args_schema), **fakes(op_schema.kwargs_schema))
+
+    def meta(t):
+        return TensorMeta(t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else None
+
+    return [meta(t) for t in out] if isinstance(out, (tuple, list)) else meta(out)
 
 
 # == Dynamo: distributed metadata folded with correct guards ================================

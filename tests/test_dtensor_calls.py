@@ -169,3 +169,21 @@ def test_argmax_over_a_split_dim_with_a_negative_dim(fake_mesh, keepdim):
         got = distribute_tensor(logits, mesh, [Shard(1)]).argmax(-1, keepdim=keepdim)
         got = global_value(got, rt)
     torch.testing.assert_close(got, logits.argmax(-1, keepdim=keepdim))
+
+
+def test_replicated_fallback_reads_output_metadata_on_the_mesh_device(fake_mesh):
+    """An op with no DTensor strategy is read on replicated fakes while tracing. Its fakes are
+    made on the mesh's device type: DTensor's own metadata run makes CPU fakes, where ``histc``
+    of int32 (transformers' MoE on a GPU) has no kernel. "meta" stands for a GPU here."""
+    from torch.distributed.tensor.placement_types import Replicate as R
+
+    mesh = fake_mesh((2,), ("x",))
+    spec = compat.DTensorSpec(mesh, (R(),), tensor_meta=compat.TensorMeta(
+        torch.Size([128]), (1,), torch.int32))
+    schema = compat.OpSchema(torch.ops.aten.histc.default, (spec,), {"bins": 4, "min": 0,
+                                                                      "max": 3})
+    prop = compat.sharding_propagator()
+    with pytest.raises(RuntimeError, match="histogram_cpu"):
+        prop._propagate_tensor_meta_non_cached(schema)
+    meta = patches._fake_output_meta(prop, schema, "meta")
+    assert (tuple(meta.shape), meta.dtype) == ((4,), torch.int32)

@@ -27,3 +27,41 @@ def test_dropout_on_a_sharded_input_matches_one_device(fake_mesh):
     want = f(x)
     torch.testing.assert_close(got, want)
     assert (got == 0).any() and (got != 0).any()
+
+
+class _CpuStandInTracker:
+    """What a CUDA mesh gets from DTensor: an ``OffsetBasedRNGTracker`` whose random ops run in
+    ``_distribute_region`` on the device's real generator state. DTensor builds none for CPU,
+    so this one is made without its constructor, over the CPU generator."""
+
+    def __new__(cls):
+        import types
+
+        from torch.distributed.tensor._random import OffsetBasedRNGTracker
+
+        tracker = object.__new__(OffsetBasedRNGTracker)
+        tracker._device = torch.device("cpu")
+        tracker._device_handle = types.SimpleNamespace(
+            get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state)
+        tracker._use_distribute_region = True
+        return tracker
+
+
+def test_dtensor_rng_tracker_stays_out_of_dist_tracing(fake_mesh, monkeypatch):
+    """DTensor's RNG tracker reads the real generator state; under Dynamo's fake tensors that
+    failed (torch 2.11 on a GPU: every model with dropout). While tracing for dist the random
+    op runs as a plain op, and the tracker is untouched and still on for eager DTensor."""
+    import torch.distributed.tensor._random as dtensor_random
+
+    mesh = fake_mesh((2,), ("x",))
+    tracker = _CpuStandInTracker()
+    monkeypatch.setattr(dtensor_random, "_rng_tracker", tracker)
+    x = torch.randn(8, 6)
+
+    def f(x):
+        return torch.nn.functional.dropout(x, 0.5, training=True) * 3
+
+    torch.compile(f, backend="dist", fullgraph=True, options={"inductor": False})(
+        distribute_tensor(x, mesh, [Shard(0)]))
+    assert any(n.kind is RuleKind.RANDOM for n in compile_records()[-1].plan.nodes.values())
+    assert tracker.distribute_region_enabled  # outside tracing it reads as it is

@@ -56,3 +56,63 @@ def test_gradient_check_takes_rounding_noise_and_catches_a_wrong_zero_gradient()
     wrong = {"w": ref.w.grad * 1.01, "b": ref.b.grad.clone()}
     err, worst, _ = _grad_errors(wrong, ref)
     assert err > GRAD_TOL and worst == "w"
+
+
+def test_a_wrong_cell_is_run_again_on_plain_inductor(monkeypatch, tmp_path):
+    """A WRONG cell compiled by Inductor gets plain torch.compile on one device against eager
+    beside it (Inductor's own difference from eager is then told from the sharding's), and
+    the report shows both; a cell that passes gets none."""
+    from dynamo_dist.testing.zoo import cell
+    from dynamo_dist.testing.zoo.report import write_report
+
+    def wrong(zm, axes, rt, steps, row, tp_options):
+        row.update(status="WRONG", loss_rel=0.1, grad_rel=0.5)
+
+    monkeypatch.setattr(cell, "_train", wrong)
+    row = cell.run_cell(MODELS["convnet"], "dp=1", cell.Runtime(inductor=True), steps=1)
+    base = row["baseline"]
+    assert base["loss_rel"] <= 1e-5 and base["grad_rel"] <= 1e-4, base
+    assert row["torch"] == torch.__version__
+    write_report([row], str(tmp_path / "r.md"))
+    assert "**WRONG** 1e-01/5e-01 (plain Inductor: " in (tmp_path / "r.md").read_text()
+    monkeypatch.setattr(cell, "_train", lambda zm, axes, rt, steps, row, tp: row.update(
+        status="parity", loss_rel=0.0, grad_rel=0.0))
+    assert "baseline" not in cell.run_cell(MODELS["convnet"], "dp=1", cell.Runtime(), steps=1)
+
+
+def test_a_dist_error_wrapped_by_dynamo_is_reported_as_an_error_not_a_crash(monkeypatch):
+    from dynamo_dist.testing.zoo import cell
+    from inductor_passes.core.errors import DistCompileError
+
+    def raises(message):
+        def train(*args):
+            wrapped = RuntimeError("backend='dist' raised")  # as BackendCompilerFailed does
+            wrapped.__cause__ = DistCompileError(message, fix="a fix")
+            raise wrapped
+        return train
+
+    monkeypatch.setattr(cell, "_train", raises("aten.x cannot be traced"))
+    assert cell.run_cell(MODELS["convnet"], "dp=1", cell.Runtime())["status"] == "error"
+    monkeypatch.setattr(cell, "_train", raises("internal error: a bug of ours"))
+    assert cell.run_cell(MODELS["convnet"], "dp=1", cell.Runtime())["status"] == "crash"
+
+
+def test_cells_run_side_by_side_keep_their_order(monkeypatch, tmp_path):
+    import time
+
+    from dynamo_dist.testing.zoo import __main__ as zoo
+
+    def run_one(model, mesh, runtime, steps, inductor, timeout):
+        time.sleep(0.2 if model == "gpt2" else 0.0)  # the first cell ends last
+        return {"model": model, "family": MODELS[model].family, "mesh": mesh,
+                "runtime": runtime, "inductor": inductor, "status": "parity", "loss_rel": 0.0,
+                "grad_rel": 0.0}
+
+    monkeypatch.setattr(zoo, "run_one", run_one)
+    out = tmp_path / "z.json"
+    rc = zoo.main(["--models", "gpt2", "bert", "convnet", "--meshes", "tp=2", "--runtimes",
+                   "gloo", "--jobs", "3", "--out", str(tmp_path / "z.md"), "--json", str(out)])
+    import json
+
+    assert rc == 0
+    assert [r["model"] for r in json.loads(out.read_text())] == ["gpt2", "bert", "convnet"]

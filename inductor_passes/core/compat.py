@@ -78,6 +78,19 @@ def redistribute_planner_class() -> Any:
     return cls if cls is not None and all(hasattr(cls, n) for n in names) else None
 
 
+def dtensor_rng_modules() -> tuple[Any, Any] | None:
+    """(``distributed.tensor._dispatch``, ``distributed.tensor._random``) when they have what the
+    tracing patch for random ops replaces: the dispatch's own ``is_rng_supported_mesh`` and the
+    tracker class's ``distribute_region_enabled`` property (2.11, 2.13); else None."""
+    from torch.distributed.tensor import _dispatch, _random
+
+    tracker = getattr(_random, "_RNGStateTracker", None)
+    if not hasattr(_dispatch, "is_rng_supported_mesh") or not isinstance(
+            getattr(tracker, "distribute_region_enabled", None), property):
+        return None
+    return _dispatch, _random
+
+
 def dtensor_of_local(local: torch.Tensor, spec: DTensorSpec) -> Any:
     """A DTensor over ``local`` with ``spec`` as it is (no autograd node, no check): what
     ``DTensor.from_local`` builds, without its autograd Function and spec construction, for

@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,9 @@ def main() -> int:
                     help="Llama compiled with dynamic=True, step k at sequence length "
                          "32, 48, 64, 32, then a batch of 4 at 40 (prints COMPILES)")
     ap.add_argument("--layers", type=int, default=2, help="the Llama's decoder layers")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: ranks and the reference on GPUs (Triton kernels; NCCL, a GPU "
+                         "per rank)")
     ap.add_argument("--nested-regions", action="store_true",
                     help="Llama with every decoder layer a torch.compiler.nested_compile_region; "
                          "prints the ledger's collectives per phase")
@@ -79,8 +83,16 @@ def main() -> int:
     if args.model == "cnn":
         return train_cnn(args)
     axes = parse_mesh(args.mesh)
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+    dev = args.device
+    if dev == "cuda":
+        from dynamo_dist.testing.zoo.cell import CudaRuntime
+
+        world = int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(CudaRuntime.backend(world))
+        mesh = CudaRuntime().setup(axes)  # on the rank's GPU, TF32 off
+    else:
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh(dev, tuple(axes.values()), mesh_dim_names=tuple(axes))
     torch.manual_seed(0)
     if args.model == "mlp":
         ref = MLP(args.hidden)
@@ -91,6 +103,7 @@ def main() -> int:
         # with the cache on and no mask, transformers calls SDPA with enable_gqa=True: the fused
         # kernel then sees query heads (8) and key/value heads (4) of different counts
         ref.config.use_cache = args.use_cache
+    ref = ref.to(dev)
     model = copy.deepcopy(ref)
     if args.nested_regions:  # as a user marks a repeated block: its class's forward
         cls = type(model.model.layers[0])
@@ -114,11 +127,13 @@ def main() -> int:
         recorder.__enter__()
         if size is None:
             g = torch.Generator().manual_seed(step)
-            batch = (torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g))
+            batch = (torch.randn(16, 32, generator=g).to(dev),
+                     torch.randn(16, 32, generator=g).to(dev))
             loss, ref_loss = compiled(*batch), ref(*batch)
         else:
             ids = token_batch(size, step) if not args.dynamic else token_batch(
                 dataclasses.replace(size, batch=shapes[step][0], seq=shapes[step][1]), step)
+            ids = ids.to(dev)
             out, ref_out = compiled(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
             loss, ref_loss = out.loss, ref_out.loss
             if args.local_logits:  # this rank's vocabulary shard, as a plain tensor

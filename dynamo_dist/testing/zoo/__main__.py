@@ -4,6 +4,7 @@ on simulated ranks and on real gloo ranks, and writes ``docs/model_coverage.md``
     python -m dynamo_dist.testing.zoo                       # everything (about an hour, 2 cores)
     python -m dynamo_dist.testing.zoo --models gpt2 bert --meshes tp=2 --runtimes sim
     python -m dynamo_dist.testing.zoo --fast                # the CI subset
+    python -m dynamo_dist.testing.zoo --runtimes cuda --meshes tp=1 --jobs 3  # on one GPU
 
 Each cell runs in its own process(es) under a time limit (a hang is reported as one).
 """
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from .cell import parse_mesh
 from .models import MODELS
@@ -25,6 +27,8 @@ from .report import write_report
 
 MESHES = ("tp=2", "dp=2", "dp=2,tp=2")
 RUNTIMES = ("sim", "gloo")
+# not a default: real ranks on GPUs, one each (NCCL, Triton kernels)
+ALL_RUNTIMES = RUNTIMES + ("cuda",)
 # the CI subset: ties (GPT-2, BERT), a MoE model, the ConvNet
 FAST_MODELS = ("gpt2", "bert", "mixtral", "convnet")
 
@@ -38,10 +42,10 @@ def run_one(model: str, mesh: str, runtime: str, steps: int, inductor: bool,
         worker = ["-m", "dynamo_dist.testing.zoo.worker", model, mesh, out, "--steps", str(steps)]
         if runtime == "sim":
             cmd = [sys.executable, *worker, "--sim"]
-        else:
-            port = 20000 + (os.getpid() * 7 + int(time.time())) % 20000
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-                   f"--master-port={port}", *worker] + ([] if inductor else ["--no-inductor"])
+        else:  # --standalone: a free port, so that cells may run side by side (--jobs)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={world}", *worker] + \
+                ([] if inductor else ["--no-inductor"]) + (["--cuda"] if runtime == "cuda" else [])
         # plans are made afresh: a cached plan would hide what the current planner does
         env = dict(os.environ, OMP_NUM_THREADS="1", DYNAMO_DIST_PLAN_CACHE="0")
         t0 = time.perf_counter()
@@ -55,7 +59,7 @@ def run_one(model: str, mesh: str, runtime: str, steps: int, inductor: bool,
                 return json.load(f)
         status = "hang" if proc is None else "crash"
         return {"model": model, "family": MODELS[model].family, "mesh": mesh,
-                "runtime": runtime, "inductor": inductor and runtime == "gloo",
+                "runtime": runtime, "inductor": inductor and runtime != "sim",
                 "status": status, "error": tail, "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -64,13 +68,15 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     ap.add_argument("--meshes", nargs="+", default=list(MESHES))
-    ap.add_argument("--runtimes", nargs="+", choices=RUNTIMES, default=list(RUNTIMES))
+    ap.add_argument("--runtimes", nargs="+", choices=ALL_RUNTIMES, default=list(RUNTIMES))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-inductor", action="store_true", help="gloo cells without Inductor")
     ap.add_argument("--fast", action="store_true", help=f"only {', '.join(FAST_MODELS)}")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per cell")
     ap.add_argument("--layers", type=int, default=None,
                     help="layers per model (default 2; sets DYNAMO_DIST_ZOO_LAYERS)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="cells run side by side (each in its own processes)")
     ap.add_argument("--out", default="docs/model_coverage.md")
     ap.add_argument("--json", default="docs/model_coverage.json")
     args = ap.parse_args(argv)
@@ -79,17 +85,21 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--layers must be at least 1")
         os.environ["DYNAMO_DIST_ZOO_LAYERS"] = str(args.layers)
     models = [m for m in args.models if not args.fast or m in FAST_MODELS]
-    rows = []
-    for model in models:
-        for mesh in args.meshes:
-            for runtime in args.runtimes:
-                row = run_one(model, mesh, runtime, args.steps, not args.no_inductor,
-                              args.timeout)
-                rows.append(row)
-                print(f"{model:<10} {mesh:<10} {runtime:<5} {row['status']:<7} "
-                      f"loss {row.get('loss_rel', float('nan')):.1e} "
-                      f"grad {row.get('grad_rel', float('nan')):.1e} "
-                      f"({row.get('seconds', 0):.0f} s)", flush=True)
+    cells = [(model, mesh, runtime) for model in models for mesh in args.meshes
+             for runtime in args.runtimes]
+
+    def one(cell: tuple[str, str, str]) -> dict:
+        model, mesh, runtime = cell
+        row = run_one(model, mesh, runtime, args.steps, not args.no_inductor, args.timeout)
+        print(f"{model:<10} {mesh:<10} {runtime:<5} {row['status']:<7} "
+              f"loss {row.get('loss_rel', float('nan')):.1e} "
+              f"grad {row.get('grad_rel', float('nan')):.1e} "
+              f"({row.get('seconds', 0):.0f} s)", flush=True)
+        return row
+
+    # threads only wait on each cell's subprocesses; rows keep the cells' order
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        rows = list(pool.map(one, cells))
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1, default=str)
     write_report(rows, args.out)

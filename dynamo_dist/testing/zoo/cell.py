@@ -3,14 +3,18 @@ and compared with the same model in one process.
 
 Runtimes: ``sim`` (every rank simulated in this process: a ``fake`` process group,
 ``LocalTensorMode`` for the eager parts, ``options={"simulate": True}`` for the compiled ones;
-FX local graphs, no Inductor) and ``gloo`` (this process is one real rank under torchrun;
-Inductor by default). Random draws (dropout) are made identical to the reference's: the same
+FX local graphs, no Inductor), ``gloo`` (this process is one real rank under torchrun;
+Inductor by default) and ``cuda`` (a real rank on its own GPU: NCCL, Inductor's Triton kernels;
+the reference runs on the same GPU, TF32 off on both sides). Random draws (dropout) are made identical to the reference's: the same
 seed before each step on both sides, and Inductor's ``fallback_random`` (its kernels then draw
 as eager does; torch's own accuracy checks do the same).
 
 A cell's status: ``parity`` (losses within ``LOSS_TOL`` relative, first-step gradients within
 ``GRAD_TOL``), ``WRONG`` (it ran and the numbers differ: the worst outcome), ``error`` (a
 user-facing ``DistCompileError``), ``crash`` (any other exception, an internal error included).
+A ``WRONG`` cell compiled by Inductor is run once more with plain ``torch.compile`` on one
+device (``row["baseline"]``): when that differs from eager by as much, the difference is
+Inductor's against eager (its random draws, say), not the sharding's.
 """
 
 from __future__ import annotations
@@ -56,9 +60,11 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 class Runtime:
-    """Where the ranks live: ``eager()`` is the context eager DTensor code runs in."""
+    """Where the ranks live: ``eager()`` is the context eager DTensor code runs in; ``device``
+    the device type of the mesh, the models and the batches."""
 
     name = "gloo"
+    device = "cpu"
 
     def __init__(self, inductor: bool = True) -> None:
         self.inductor = inductor
@@ -75,7 +81,36 @@ class Runtime:
     def setup(self, axes: dict[str, int]):
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+        return init_device_mesh(self.device, tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+class CudaRuntime(Runtime):
+    """This process is one real rank on a GPU (``LOCAL_RANK`` modulo the GPUs there are)."""
+
+    name = "cuda"
+    device = "cuda"
+
+    @staticmethod
+    def backend(world: int) -> str:
+        """NCCL, which needs a GPU per rank. Ranks sharing a GPU through gloo are refused:
+        on torch 2.11 gloo's functional all_gather of CUDA tensors killed the rank (SIGSEGV)
+        on an H100, while its plain all_gather_into_tensor, reduce_scatter_tensor,
+        all_reduce and all_to_all_single ran."""
+        gpus = torch.cuda.device_count()
+        if world > gpus:
+            raise RuntimeError(f"the cuda runtime needs a GPU per rank (NCCL): {world} ranks, "
+                               f"{gpus} GPU(s); use a mesh of at most {gpus} ranks")
+        return "nccl"
+
+    def setup(self, axes: dict[str, int]):
+        import os
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        # the reference is eager fp32: TF32 in either side's matmuls or convolutions would be
+        # an error of 1e-3 that no sharding made
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        return super().setup(axes)
 
 
 class SimRuntime(Runtime):
@@ -160,6 +195,9 @@ def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3,
     axes = parse_mesh(mesh_text)
     row: dict[str, Any] = {"model": zm.name, "family": zm.family, "mesh": mesh_text,
                            "runtime": rt.name, "inductor": rt.inductor, "status": "crash"}
+    row["torch"] = torch.__version__
+    if rt.device == "cuda":
+        row["gpu"] = torch.cuda.get_device_name()
     t0 = time.perf_counter()
     torch._dynamo.reset()
     clear_compile_records()
@@ -169,15 +207,54 @@ def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3,
             _train(zm, axes, rt, steps, row, tp_options)
     except ReplicaMismatch as exc:
         row.update(status="WRONG", error=str(exc))
-    except DistCompileError as exc:
-        internal = str(exc).startswith("internal")
-        row.update(status="crash" if internal else "error", error=_short(exc))
     except Exception as exc:  # noqa: BLE001 -- a zoo cell reports every failure
-        row.update(status="crash", error=_short(exc), trace=traceback.format_exc()[-3000:])
+        # Dynamo wraps what the backend raised (BackendCompilerFailed)
+        user = next((e for e in (exc, exc.__cause__, getattr(exc, "inner_exception", None))
+                     if isinstance(e, DistCompileError)), None)
+        if user is not None and not str(user).startswith("internal"):
+            row.update(status="error", error=_short(user))
+        else:
+            row.update(status="crash", error=_short(exc), trace=traceback.format_exc()[-3000:])
     row["seconds"] = round(time.perf_counter() - t0, 1)
     row["warnings"] = logs.messages[:20]
     _describe_compiles(row)
+    if row["status"] == "WRONG" and rt.inductor and rt.name != "sim":
+        try:
+            with _inductor_random_as_eager(), _quiet_transformers_warn_once():
+                row["baseline"] = _plain_inductor(zm, rt.device, steps)
+        except Exception as exc:  # noqa: BLE001 -- the baseline is extra information
+            row["baseline"] = {"error": _short(exc)}
     return row
+
+
+def _plain_inductor(zm: ZooModel, device: str, steps: int) -> dict:
+    """Plain ``torch.compile`` (Inductor, one device, no sharding) against eager: the same
+    steps, seeds and comparison as a cell. Returns its loss_rel, grad_rel and grad_worst."""
+    torch._dynamo.reset()
+    ref = zm.build().to(device)
+    model = copy.deepcopy(ref)
+    compiled = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    losses, grad_rel, worst = [], 0.0, None
+    for step in range(steps):
+        args, kwargs = _on(device, zm.batch(step))
+        torch.manual_seed(100 + step)
+        loss = loss_of(compiled(*args, **kwargs))
+        loss.backward()
+        torch.manual_seed(100 + step)
+        ref_loss = loss_of(ref(*args, **kwargs))
+        ref_loss.backward()
+        if step == 0:
+            grads = {n: None if p.grad is None else p.grad.detach()
+                     for n, p in model.named_parameters()}
+            grad_rel, worst, _ = _grad_errors(grads, ref)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        losses.append((loss.item(), ref_loss.item()))
+    loss_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in losses)
+    return {"loss_rel": loss_rel, "grad_rel": grad_rel, "grad_worst": worst}
 
 
 @contextlib.contextmanager
@@ -197,16 +274,23 @@ def _quiet_transformers_warn_once():
         yield
 
 
+def _on(device: str, batch: Any) -> Any:
+    """``batch`` (args, kwargs, or any nest of tensors) with its tensors on ``device``."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+
+
 def _train(zm: ZooModel, axes: dict[str, int], rt: Runtime, steps: int, row: dict,
            tp_options: dict | None = None) -> None:
     mesh = rt.setup(axes)
-    ref = zm.build()
+    ref = zm.build().to(rt.device)
     model = copy.deepcopy(ref)
     plan = plan_model(model, axes, tp_options)
     row["params"] = _param_summary(model, plan)
     projections = None
     if "tp" in axes:
-        inputs = example_inputs(model) or zm.batch(0)
+        inputs = _on(rt.device, example_inputs(model) or zm.batch(0))
         projections = trace_projections(model, *inputs).projections
     expected = textbook(model, plan, axes, projections)
     ties = sorted(tuple(sorted(n)) for _, n in parameter_groups(model) if len(n) > 1)
@@ -222,7 +306,7 @@ def _train(zm: ZooModel, axes: dict[str, int], rt: Runtime, steps: int, row: dic
     losses, grad_rel, worst, noise = [], 0.0, None, []
     for step in range(steps):
         calls = [(r, r.step.calls if r.step else 0) for r in compile_records()]
-        args, kwargs = zm.batch(step)
+        args, kwargs = _on(rt.device, zm.batch(step))
         torch.manual_seed(100 + step)
         loss = loss_of(compiled(*args, **kwargs))
         with rt.eager():

@@ -19,6 +19,9 @@ def _cell_text(row: dict) -> str:
     text = _MARK.get(row["status"], row["status"])
     if row["status"] in ("parity", "WRONG") and "loss_rel" in row:
         text += f" {row['loss_rel']:.0e}/{row['grad_rel']:.0e}"
+    base = row.get("baseline") or {}
+    if "grad_rel" in base:  # a WRONG cell's plain Inductor run against eager
+        text += f" (plain Inductor: {base['loss_rel']:.0e}/{base['grad_rel']:.0e})"
     more = [r for r in row.get("textbook", []) if r["verdict"] == "MORE"]
     if more:
         text += f", +{sum(r['ours'] - r['textbook'] for r in more)} coll."
@@ -32,22 +35,28 @@ def write_report(rows: list[dict], path: str) -> None:
     cols = list(dict.fromkeys((r["mesh"], r["runtime"]) for r in rows))
     by = {(r["model"], r["mesh"], r["runtime"]): r for r in rows}
     counts = collections.Counter(r["status"] for r in rows)
+    ran_on = ", ".join(dict.fromkeys(
+        f"torch {r.get('torch', torch.__version__)}" + (f" on {r['gpu']}" if r.get("gpu") else "")
+        for r in rows))
     lines = [
         "# Model coverage",
         "",
         f"Written by `python -m dynamo_dist.testing.zoo` on {datetime.date.today()} "
-        f"(torch {torch.__version__}). Each architecture is built from its library's default "
+        f"({ran_on}). Each architecture is built from its library's default "
         "config, scaled down only in width, depth and vocabulary (caches, ties and dropout as "
         "shipped), planned by the stock planners (`TensorParallelPlanner` on `tp`, "
         "`DataParallelPlanner` FSDP on `dp`), trained 3 AdamW steps with `backend=\"dist\"` and "
         "compared with the same model in one process, with the same random draws. `sim`: every "
-        "rank simulated in one process (local graphs as FX); `gloo`: real ranks, Inductor.",
+        "rank simulated in one process (local graphs as FX); `gloo`: real ranks, Inductor; "
+        "`cuda`: real ranks on GPUs, Inductor's Triton kernels, the reference on the same GPU.",
         "",
         f"A cell reads `parity L/G` when losses agree within {LOSS_TOL:g} and first-step "
         f"gradients within {GRAD_TOL:g} (relative), with L and G the worst of each; `**WRONG**` "
         "when it ran and the numbers differ; `error` for a clear user-facing error; `crash` "
         "for any other failure; `+n coll.` when the plan moves n more collectives than the "
-        "textbook plan (Megatron on tp, FSDP on dp); `k graphs` when Dynamo split the program.",
+        "textbook plan (Megatron on tp, FSDP on dp); `k graphs` when Dynamo split the program; "
+        "`(plain Inductor: L/G)` after a WRONG cell: plain `torch.compile` on one device against "
+        "eager (as far off: the difference is Inductor's, not the sharding's).",
         "",
         "Totals: " + ", ".join(f"{n} {s}" for s, n in counts.most_common()),
         "",

@@ -1,7 +1,8 @@
 """One zoo cell in its own process(es): on real gloo ranks, ``torchrun --nproc-per-node N -m
 dynamo_dist.testing.zoo.worker MODEL MESH OUT.json [--steps S] [--no-inductor]`` (rank 0 writes
 the cell's result row, JSON, to OUT.json); on simulated ranks, ``python -m
-dynamo_dist.testing.zoo.worker --sim MODEL MESH OUT.json``."""
+dynamo_dist.testing.zoo.worker --sim MODEL MESH OUT.json``; ``--cuda``: real ranks on GPUs
+(``CudaRuntime``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from inductor_passes.core import compat
 
-from .cell import Runtime, SimRuntime, run_cell
+from .cell import CudaRuntime, Runtime, SimRuntime, run_cell
 from .models import MODELS
 
 
@@ -25,14 +26,17 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-inductor", action="store_true")
     ap.add_argument("--sim", action="store_true", help="every rank simulated in this process")
+    ap.add_argument("--cuda", action="store_true", help="real ranks on GPUs (Triton kernels)")
     args = ap.parse_args()
     if args.sim:
         row = run_cell(MODELS[args.model], args.mesh, SimRuntime(), args.steps)
         _write(row, args.out)
         return 0
-    dist.init_process_group("gloo")
-    row = run_cell(MODELS[args.model], args.mesh, Runtime(inductor=not args.no_inductor),
-                   args.steps)
+    rt = CudaRuntime(inductor=not args.no_inductor) if args.cuda else \
+        Runtime(inductor=not args.no_inductor)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dist.init_process_group(CudaRuntime.backend(world) if args.cuda else "gloo")
+    row = run_cell(MODELS[args.model], args.mesh, rt, args.steps)
     row["rank_status"] = _gather_status(row["status"])
     if dist.get_rank() == 0:
         _write(row, args.out)
