@@ -28,7 +28,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 from inductor_passes.core import compat, roles
 from inductor_passes.core.annotation_ops import (CONSTRAINT_OP, encode_spec, enter_manual,
                                                  exit_manual, mesh_key)
-from inductor_passes.core.errors import DistCompileError, user_source
+from inductor_passes.core.errors import DistCompileError, source_of_failure, user_source
 from inductor_passes.core.ops import attention_math, matmul_nd, wants_matmul_nd
 from inductor_passes.core.placements import is_split, is_uneven, normalize, plannable, replicate
 from inductor_passes.sharding.rules import PLANNED_WHOLE
@@ -751,7 +751,8 @@ def _leaf_mutation_explained(tensor_infos: Sequence[InputInfo]):
     try:
         yield
     except compat.DATA_DEPENDENT_ERRORS as exc:
-        raise compat.data_dependent_error(getattr(exc, "func", None)) from exc
+        raise compat.data_dependent_error(getattr(exc, "func", None),
+                                          source_of_failure(exc)) from exc
     except RuntimeError as exc:
         if "in-place operation" not in str(exc):
             raise

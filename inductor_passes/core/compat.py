@@ -450,15 +450,15 @@ DATA_DEPENDENT_ERRORS = (torch._subclasses.fake_tensor.DynamicOutputShapeExcepti
                          torch._subclasses.fake_tensor.DataDependentOutputException)
 
 
-def data_dependent_error(op) -> Exception:
+def data_dependent_error(op, source: str | None = None) -> Exception:
     """The DistCompileError for a data-dependent ``op`` (an OpOverload, or None) met while the
-    backend traces plain tensors: the op and its static-shape form."""
+    backend traces plain tensors: the op, the user's line ``source`` and its static-shape form."""
 
     name = op._schema.name.split("::")[-1] if hasattr(op, "_schema") else ""
     return DistCompileError(
         f"{op} cannot be compiled for the dist backend: its output depends on tensor data "
         f"(data-dependent shape or value), which a plan made at compile time cannot know",
-        op=op, fix=STATIC_FIX.get(name, "compute it outside the compiled region, or write it "
+        op=op, source=source, fix=STATIC_FIX.get(name, "compute it outside the compiled region, or write it "
                                          "with a static output shape"))
 
 

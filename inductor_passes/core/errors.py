@@ -47,8 +47,18 @@ def user_source(node: Any) -> str | None:
     inside torch (an inlined ``funcol.all_reduce``) or this package are skipped when a user
     frame exists."""
     trace = getattr(node, "meta", {}).get("stack_trace") if node is not None else None
-    if not trace:
-        return None
+    return user_frame(trace) if trace else None
+
+
+def source_of_failure(exc: BaseException) -> str | None:
+    """The user's line of the FX node an exception was raised at: ``torch.fx.Interpreter``
+    appends that node's stack trace to the message ("Original traceback:")."""
+    _, found, trace = str(exc).partition("Original traceback:")
+    return user_frame(trace) if found and "File " in trace else None
+
+
+def user_frame(trace: str) -> str | None:
+    """The innermost user frame of a stack trace's text (see ``user_source``)."""
     frames = [ln.strip() for ln in trace.strip().splitlines()]
     found = []
     for i, line in enumerate(frames):

@@ -307,16 +307,30 @@ def dtensors_on_two_meshes():
     _compiled_error(lambda a, b: a + b, a, b)
 
 
-@case(DistCompileError, ("data-dependent", "fix:"))
+@case(DistCompileError, ("data-dependent", "cases.py", "x[x > 0]", "fix:"))
 def data_dependent_shape_on_a_sharded_value():
     m = mesh((2,), ("tp",))
-    torch._dynamo.config.capture_dynamic_output_shape_ops = True
 
     def f(x):
         x = with_sharding_constraint(x * 2, m, [S0])
         return x[x > 0].sum()
 
-    _compiled_error(f, torch.randn(8))
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        _compiled_error(f, torch.randn(8))
+
+
+@case(DistCompileError, ("_local_scalar_dense", "cases.py", "int(y.sum())", "keep the value a"))
+def a_number_read_from_a_tensor_in_the_program():
+    """``int(t)`` with Dynamo's capture_scalar_outputs puts the read in the graph (transformers'
+    MoE on a GPU did); the error names the user's line."""
+    m = mesh((2,), ("tp",))
+
+    def f(x):
+        y = with_sharding_constraint(x * 2, m, [S0])
+        return y * int(y.sum())
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        _compiled_error(f, torch.randn(8))
 
 
 @case(None)
