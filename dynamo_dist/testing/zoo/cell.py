@@ -196,6 +196,12 @@ def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3,
     row: dict[str, Any] = {"model": zm.name, "family": zm.family, "mesh": mesh_text,
                            "runtime": rt.name, "inductor": rt.inductor, "status": "crash"}
     row["torch"] = torch.__version__
+    try:  # the architectures' code: their traced paths differ between versions
+        import transformers
+
+        row["transformers"] = transformers.__version__
+    except ImportError:
+        pass
     if rt.device == "cuda":
         row["gpu"] = torch.cuda.get_device_name()
     t0 = time.perf_counter()

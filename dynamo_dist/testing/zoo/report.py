@@ -36,7 +36,9 @@ def write_report(rows: list[dict], path: str) -> None:
     by = {(r["model"], r["mesh"], r["runtime"]): r for r in rows}
     counts = collections.Counter(r["status"] for r in rows)
     ran_on = ", ".join(dict.fromkeys(
-        f"torch {r.get('torch', torch.__version__)}" + (f" on {r['gpu']}" if r.get("gpu") else "")
+        f"torch {r.get('torch', torch.__version__)}"
+        + (f", transformers {r['transformers']}" if r.get("transformers") else "")
+        + (f" on {r['gpu']}" if r.get("gpu") else "")
         for r in rows))
     lines = [
         "# Model coverage",
