@@ -67,7 +67,7 @@ def install_plain_random_while_tracing() -> bool:
     dispatch, random = modules
     tracker = random._RNGStateTracker
     enabled = tracker.distribute_region_enabled
-    if getattr(enabled, "_dynamo_dist_original", None) is not None:
+    if getattr(enabled.fget, "_dynamo_dist_original", None) is not None:
         return True
     supported = dispatch.is_rng_supported_mesh
 

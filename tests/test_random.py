@@ -65,3 +65,8 @@ def test_dtensor_rng_tracker_stays_out_of_dist_tracing(fake_mesh, monkeypatch):
         distribute_tensor(x, mesh, [Shard(0)]))
     assert any(n.kind is RuleKind.RANDOM for n in compile_records()[-1].plan.nodes.values())
     assert tracker.distribute_region_enabled  # outside tracing it reads as it is
+    from dynamo_dist import patches
+
+    prop = type(tracker).distribute_region_enabled
+    assert patches.install_plain_random_while_tracing()  # idempotent: not wrapped again
+    assert type(tracker).distribute_region_enabled is prop

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--meshes", nargs="+", default=list(MESHES))
     ap.add_argument("--runtimes", nargs="+", choices=ALL_RUNTIMES, default=list(RUNTIMES))
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--no-inductor", action="store_true", help="gloo cells without Inductor")
+    ap.add_argument("--no-inductor", action="store_true", help="real-rank cells (gloo, cuda) without Inductor")
     ap.add_argument("--fast", action="store_true", help=f"only {', '.join(FAST_MODELS)}")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per cell")
     ap.add_argument("--layers", type=int, default=None,

@@ -4,10 +4,11 @@ and compared with the same model in one process.
 Runtimes: ``sim`` (every rank simulated in this process: a ``fake`` process group,
 ``LocalTensorMode`` for the eager parts, ``options={"simulate": True}`` for the compiled ones;
 FX local graphs, no Inductor), ``gloo`` (this process is one real rank under torchrun;
-Inductor by default) and ``cuda`` (a real rank on its own GPU: NCCL, Inductor's Triton kernels;
-the reference runs on the same GPU, TF32 off on both sides). Random draws (dropout) are made identical to the reference's: the same
-seed before each step on both sides, and Inductor's ``fallback_random`` (its kernels then draw
-as eager does; torch's own accuracy checks do the same).
+Inductor by default) and ``cuda`` (a real rank on its own GPU: NCCL, Inductor's Triton
+kernels; the reference runs on the same GPU, TF32 off on both sides). Random draws (dropout)
+are made identical to the reference's: the same seed before each step on both sides, and
+Inductor's ``fallback_random`` (its kernels then draw as eager does; torch's own accuracy
+checks do the same).
 
 A cell's status: ``parity`` (losses within ``LOSS_TOL`` relative, first-step gradients within
 ``GRAD_TOL``), ``WRONG`` (it ran and the numbers differ: the worst outcome), ``error`` (a
