@@ -161,3 +161,26 @@ def test_partition_spec_in_a_plan_is_read_as_mark_sharding_reads_it(fake_mesh):
                                                                                  None)}))
     m = shard_module(Tiny(), mesh, ShardingPlan(plan={"fc.weight": PartitionSpec("tp")}))
     assert tuple(m.fc.weight.placements) == (Replicate(), Shard(0))
+
+
+def test_source_of_failure_names_the_users_line():
+    """A data-dependent read met while tracing names the user's line: the FX node's (the stack
+    trace fx's Interpreter appends to the message) or, for Python run while tracing (a custom
+    op's backward: transformers 5.17's MoE fallback calls ``offs.tolist()`` there), the
+    innermost frame outside torch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from inductor_passes.core.errors import source_of_failure
+
+    def custom_backward(offs):
+        return offs.tolist()
+
+    with FakeTensorMode():
+        offs = torch.empty(3, dtype=torch.int64)
+        with pytest.raises(Exception) as e:
+            custom_backward(offs)
+    src = source_of_failure(e.value)
+    assert "test_errors.py" in src and "custom_backward: return offs.tolist()" in src, src
+    node = RuntimeError('aten.nonzero\n\nWhile executing %nz\nOriginal traceback:\n'
+                        '  File "/home/u/train.py", line 7, in forward\n    i = x.nonzero()\n')
+    assert source_of_failure(node) == '"/home/u/train.py", line 7, in forward: i = x.nonzero()'

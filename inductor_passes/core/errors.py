@@ -51,10 +51,21 @@ def user_source(node: Any) -> str | None:
 
 
 def source_of_failure(exc: BaseException) -> str | None:
-    """The user's line of the FX node an exception was raised at: ``torch.fx.Interpreter``
-    appends that node's stack trace to the message ("Original traceback:")."""
+    """The user's line an exception was raised at: that of the FX node ``torch.fx.Interpreter``
+    was running (it appends the node's stack trace to the message, "Original traceback:"),
+    else the innermost frame of the exception's own traceback outside torch and this package
+    (user Python that ran while tracing: a custom op's backward, say)."""
     _, found, trace = str(exc).partition("Original traceback:")
-    return user_frame(trace) if found and "File " in trace else None
+    if found and "File " in trace:
+        return user_frame(trace)
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not any(p in f.filename for p in _LIBRARY_PATHS)]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f'"{f.filename}", line {f.lineno}, in {f.name}: {f.line}'.strip()
 
 
 def user_frame(trace: str) -> str | None:
