@@ -458,8 +458,9 @@ def data_dependent_error(op, source: str | None = None) -> Exception:
     return DistCompileError(
         f"{op} cannot be compiled for the dist backend: its output depends on tensor data "
         f"(data-dependent shape or value), which a plan made at compile time cannot know",
-        op=op, source=source, fix=STATIC_FIX.get(name, "compute it outside the compiled region, or write it "
-                                         "with a static output shape"))
+        op=op, source=source,
+        fix=STATIC_FIX.get(name, "compute it outside the compiled region, or write it with a "
+                                 "static output shape"))
 
 
 

@@ -3,6 +3,7 @@ and placements involved, and a fix."""
 
 from __future__ import annotations
 
+import traceback
 from typing import Any, Sequence
 
 
@@ -58,8 +59,6 @@ def source_of_failure(exc: BaseException) -> str | None:
     _, found, trace = str(exc).partition("Original traceback:")
     if found and "File " in trace:
         return user_frame(trace)
-    import traceback
-
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if not any(p in f.filename for p in _LIBRARY_PATHS)]
     if not frames:

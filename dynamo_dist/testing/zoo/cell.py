@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.metadata
 import logging
 import math
 import time
@@ -197,12 +198,9 @@ def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3,
     row: dict[str, Any] = {"model": zm.name, "family": zm.family, "mesh": mesh_text,
                            "runtime": rt.name, "inductor": rt.inductor, "status": "crash"}
     row["torch"] = torch.__version__
-    try:  # the architectures' code: their traced paths differ between versions
-        import transformers
-
-        row["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+    # the architectures' code: their traced paths differ between versions
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        row["transformers"] = importlib.metadata.version("transformers")
     if rt.device == "cuda":
         row["gpu"] = torch.cuda.get_device_name()
     t0 = time.perf_counter()
