@@ -111,7 +111,8 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
         name = str(names[i]) if i < len(names) else f"arg{i}"
         if isinstance(x, DTensor):
             infos.append(InputInfo(i, name, ArgKind.DTENSOR, _sizes(x.shape), x.dtype,
-                                   x.requires_grad, x.device_mesh, tuple(x.placements),
+                                   x.requires_grad, compat.real_object(x.device_mesh),
+                                   tuple(x.placements),
                                    _sizes(x.stride()), _sizes(x.to_local().stride()),
                                    isinstance(x, torch.nn.Parameter)))
         elif isinstance(x, torch.Tensor):
@@ -291,6 +292,7 @@ def find_mesh(infos: Sequence[InputInfo], example_inputs: Sequence[Any]) -> Devi
     """The one DeviceMesh of this program; inputs on two different meshes are an error."""
     meshes: dict[int, tuple[DeviceMesh, str]] = {}
     for info, x in zip(infos, example_inputs):
+        x = compat.real_object(x)
         mesh = info.mesh if info.kind is not ArgKind.CONSTANT else \
             (x if isinstance(x, DeviceMesh) else None)
         if mesh is not None:
@@ -478,6 +480,7 @@ class _GlobalInterpreter(fx.Interpreter):
     def _from_local(self, x, device_mesh=None, placements=None, *, run_check=False, shape=None,
                     stride=None):
         node = self._node
+        device_mesh = compat.real_object(device_mesh)
         mesh = device_mesh if isinstance(device_mesh, DeviceMesh) else self.mesh
         if mesh is None:
             raise DistCompileError("DTensor.from_local inside the compiled region with no mesh",
@@ -512,7 +515,7 @@ class _GlobalInterpreter(fx.Interpreter):
     def _dtensor_call(self, target, args, kwargs):
         node, x = self._node, args[0]
         if target == "redistribute":
-            mesh = args[1] if len(args) > 1 else kwargs.get("device_mesh")
+            mesh = compat.real_object(args[1] if len(args) > 1 else kwargs.get("device_mesh"))
             placements = args[2] if len(args) > 2 else kwargs.get("placements")
             mesh = mesh if isinstance(mesh, DeviceMesh) else (self.known.get(id(x), (None,))[0]
                                                              or self.mesh)

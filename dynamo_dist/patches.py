@@ -680,11 +680,6 @@ MESH_LOOKUP_METHODS = frozenset({"__getitem__", "get_group", "_get_root_mesh"})
 MESH_VALUE_ATTRS = ("device_ids", "mesh_shape", "axis_names")  # what Mesh.__eq__ compares
 
 
-def _real_object(value: Any) -> Any:
-    """The real object behind Dynamo's example value of an opaque object (a FakeScriptObject)."""
-    return getattr(value, "real_obj", value)
-
-
 def drop_dead_mesh_lookups(graph: "torch.fx.Graph", remove: Callable | None = None) -> int:
     """(1) Remove ``call_method`` nodes in ``MESH_LOOKUP_METHODS`` on a DeviceMesh whose result
     is unused (slicing and group lookup have no side effects: a slice reuses its parent's
@@ -698,7 +693,8 @@ def drop_dead_mesh_lookups(graph: "torch.fx.Graph", remove: Callable | None = No
         receiver = node.args[0] if node.op == "call_method" and node.args else None
         if (node.target in MESH_LOOKUP_METHODS and not node.users
                 and isinstance(receiver, torch.fx.Node)
-                and isinstance(_real_object(receiver.meta.get("example_value")), DeviceMesh)):
+                and isinstance(compat.real_object(receiver.meta.get("example_value")),
+                                   DeviceMesh)):
             remove(node)
             removed += 1
     return removed

@@ -418,3 +418,19 @@ def test_a_mesh_made_again_after_destroy_gets_its_own_dtensor_outputs(fake_mesh)
         b = distribute_tensor(torch.randn(8, 16, 64), mesh, [Shard(0), Shard(2)])
         outs.append((a + b).device_mesh is mesh)
     assert outs == [True, True]
+
+
+def test_real_object_unwraps_dynamos_stand_in_for_an_opaque_mesh(fake_mesh):
+    """Dynamo's FakeScriptObject for a DeviceMesh hides attributes we set on the mesh; the
+    gate's ``real_object`` hands back the mesh behind it, and anything else unchanged."""
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    from inductor_passes.core.mesh_facts import add_data_axes, data_axes
+
+    mesh = fake_mesh((2,), ("dp",))
+    add_data_axes(mesh, ("dp",))
+    stand_in = FakeScriptObject(object(), "DeviceMesh", mesh)
+    assert getattr(stand_in, "_dynamo_dist_mesh_facts", None) is None  # hidden through it
+    assert compat.real_object(stand_in) is mesh
+    assert compat.real_object(mesh) is mesh and compat.real_object(3) == 3
+    assert data_axes(stand_in) == ("dp",)

@@ -265,6 +265,44 @@ def test_data_axes_belong_to_one_mesh_object_not_to_equal_meshes(fake_mesh):
     assert data_axes(first) == ("dp",) and data_axes(second) == ()
 
 
+class _BrokenMLP(nn.Module):
+    """Two linears with a graph break between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h).sum()
+
+
+def test_data_axes_reach_the_planner_when_dynamo_passes_the_mesh_as_an_opaque_input(
+        fake_mesh, monkeypatch):
+    """torch 2.13's Dynamo passes a DeviceMesh that is a graph input (here the closure of the
+    data-parallel input constraint, in the graph before a break) as a FakeScriptObject, and
+    DTensors fakeified with it carry that stand-in. The data axes live on the real mesh
+    object: read through the stand-in they were lost, and the graph was planned as if its
+    data axis were a free tensor-parallel axis (GPT-2 in the zoo on dp=2 x tp=2)."""
+    import dynamo_dist.backend as backend
+
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    model = _BrokenMLP()
+    shard_module(model, mesh, DataParallelPlanner(axis="dp", mesh_axis_size=2).build_plan(model))
+    seen, planner = [], backend.propagate
+
+    def recording(gm, m, *args, **kwargs):
+        seen.append((m, kwargs.get("data_axes")))
+        return planner(gm, m, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "propagate", recording)
+    torch.compile(model, backend="dist", options={"inductor": False})(torch.randn(4, 8)).backward()
+    assert len(seen) >= 2  # the break: two programs or more
+    assert all(m is mesh for m, _ in seen)
+    assert [axes for _, axes in seen] == [("dp",)] * len(seen)
+
+
 class _Scorer(nn.Module):
     def __init__(self, mix: bool) -> None:
         super().__init__()

@@ -30,8 +30,10 @@ def mesh_key(mesh: DeviceMesh) -> str:
     """A stable name for a mesh: axis names, shape and the ranks it spans.
 
     Cached per mesh: the first call reads the rank tensor, which must not happen under a fake
-    or tracing mode (the backend's capture asks again while tracing).
+    or tracing mode (the backend's capture asks again while tracing). Dynamo's stand-in for the
+    mesh (``compat.real_object``) names the mesh behind it.
     """
+    mesh = compat.real_object(mesh)
     key = _KEYS.get(mesh)
     if key is None:
         names = ",".join(mesh.mesh_dim_names or ())

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from . import compat
+
 _ATTR = "_dynamo_dist_mesh_facts"
 
 
@@ -23,8 +25,9 @@ class MeshFacts:
 
 
 def facts(mesh) -> MeshFacts:
-    """The facts recorded on ``mesh`` (a DeviceMesh), or none."""
-    return getattr(mesh, _ATTR, None) or MeshFacts()
+    """The facts recorded on ``mesh`` (a DeviceMesh, or Dynamo's stand-in for one: the mesh
+    behind it is read), or none."""
+    return getattr(compat.real_object(mesh), _ATTR, None) or MeshFacts()
 
 
 def add_data_axes(mesh, axes: Sequence[str]) -> None:
