@@ -12,7 +12,10 @@ and lowering copies repeated layers, ``inductor_passes.stamp``), ``inline``
 (``DYNAMO_DIST_OUTLINE=0``: every layer compiled in place), ``unstamped`` (outlined, but
 ``DYNAMO_DIST_STAMP=0``: every layer lowered node by node) and ``prefetched`` (outlined, and
 ``DYNAMO_DIST_PREFETCH=1``: each layer's gathers issued a layer early by the calling graph, not
-inside its shared body; off by default on CPU).
+inside its shared body; off by default on CPU) and ``perblock`` (each decoder layer compiled on
+its own with ``torch.compile(layer, backend="dist")``, torchtitan's way: the embedding, final
+norm and head run eagerly on DTensors, and Dynamo reuses one compiled block for every layer;
+its stages are summed over the graphs compiled, ``graphs``).
 
 On CPU with a mesh of more than one rank the process is rank 0 of torch's ``fake`` process group
 (collectives compiled, never run): compile times only. With a mesh of one rank (``tp=1``) the
@@ -116,7 +119,12 @@ def _child(args) -> dict:
     # "dist" is an entry point of the installed package; run from a checkout, pass the function
     import dynamo_dist
     backend = "dist" if "dist" in torch._dynamo.list_backends() else dynamo_dist.dist_backend
-    compiled = torch.compile(model, backend=backend)
+    if args.variant == "perblock":  # each decoder layer compiled on its own (torchtitan's way)
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = torch.compile(layer, backend=backend)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend=backend)
 
     def step():
         out = compiled(input_ids=ids, labels=ids)
@@ -127,8 +135,14 @@ def _child(args) -> dict:
     loss = step()
     sync()
     row["first_call_s"] = time.perf_counter() - t
-    rec = compile_records()[-1]
-    row["stages_s"] = {k: round(v, 3) for k, v in rec.seconds.items()}
+    records = compile_records()
+    rec = records[-1]
+    stages: dict[str, float] = {}
+    for r in records:  # one record per compiled graph (several only for ``perblock``)
+        for k, v in r.seconds.items():
+            stages[k] = stages.get(k, 0.0) + v
+    row["stages_s"] = {k: round(v, 3) for k, v in stages.items()}
+    row["graphs"] = len(records)
     row["outlined"] = [f"{o.calls}/{len(o.bodies)}" for o in rec.step.joint.outlined]
     if world == 1:  # a real process group: the step ran; check it and time it
         from torch.distributed.tensor import DTensor
@@ -144,7 +158,7 @@ def _child(args) -> dict:
             for p, q in zip(model.parameters(), ref.parameters()))
         one = timed_steps(step)
         row["step_s"] = one
-    backend = sum(rec.seconds.values())
+    backend = sum(stages.values())
     row["dynamo_s"] = row["first_call_s"] - backend - row.get("step_s", 0.0)
     row["load_end"] = load_average()
     dist.destroy_process_group()
@@ -214,10 +228,11 @@ def _markdown(result: dict) -> str:
         step = f"{r['step_s'] * 1e3:.1f} ms" if "step_s" in r else "-"
         dynamo = f"{r['dynamo_s']:.1f}" if "dynamo_s" in r else "-"
         load = [f"{r[k][0]}" if r.get(k) else "-" for k in ("load_start", "load_end")]
+        graphs = f" ({r['graphs']} graphs)" if r.get("graphs", 1) > 1 else ""
         lines.append(
             f"| {r['layers']} | {r['variant']} | {r['first_call_s']:.1f} | {dynamo} | "
             f"{s('capture')} | {s('plan')} | {s('lower')} | {s('inductor')} | "
-            f"{', '.join(r.get('outlined', [])) or '-'} | {step} | {check} | "
+            f"{', '.join(r.get('outlined', [])) or '-'}{graphs} | {step} | {check} | "
             f"{load[0]} / {load[1]} |")
     lines += ["", "Ratios:", ""] + [f"- {k}: {v}" for k, v in result["ratios"].items()]
     return "\n".join(lines) + "\n"
@@ -230,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh", default="dp=2,tp=2")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--variants", nargs="+", default=["outline", "inline"],
-                    choices=["outline", "inline", "unstamped", "prefetched"])
+                    choices=["outline", "inline", "unstamped", "prefetched", "perblock"])
     ap.add_argument("--baseline", action="store_true",
                     help="also plain torch.compile (Inductor, one device) at each depth")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (world size 1)")

@@ -22,6 +22,7 @@ import collections
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 NAMESPACES = ("_c10d_functional", "c10d")
@@ -79,8 +80,11 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if any(t is not torch.Tensor and issubclass(t, torch.Tensor) for t in types):
-            return NotImplemented  # let DTensor desugar; its inner ops come back here
+        if any(t is not torch.Tensor and issubclass(t, torch.Tensor) and t is not FakeTensor
+               for t in types):
+            # let DTensor desugar; its inner ops come back here (fake tensors are DTensor's own
+            # sharding propagation, run eagerly: they pass)
+            return NotImplemented
         if func.namespace in NAMESPACES:
             op = func._schema.name.split("::")[-1]
             if op not in NOT_COMMUNICATION:

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, distribute_tensor
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from .. import patches
 from inductor_passes.core import compat, mesh_facts
@@ -115,7 +115,9 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
     Every name of a tied parameter (``lm_head.weight`` = ``transformer.wte.weight``) gets the
     SAME DTensor parameter, so the tie holds: one placement, one gradient, one optimizer state.
     Buffers stay plain tensors (global values). Inputs named in ``plan.input_plan`` get a
-    sharding constraint each call.
+    sharding constraint each call. An ``nn.Embedding`` whose weight is split by rows (the
+    vocabulary) gets a forward hook that settles its output when it runs eagerly (see
+    ``_settle_pending_output``), so the model's blocks can be compiled one by one.
 
     Raises TypeError when ``model`` is not an nn.Module; DistCompileError for a placement that
     cannot apply (Partial included), a plan entry that matches no
@@ -162,8 +164,44 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
     if plan.input_plan or plan.output_plan or plan.return_local_tensor:
         model.forward = _constrained_forward(model, mesh, plan)
     mesh_facts.add_data_axes(mesh, plan.data_axes)
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Embedding) and isinstance(weight, DTensor) \
+                and any(isinstance(p, Shard) and p.dim == 0 for p in weight.placements) \
+                and not getattr(module, _SETTLED, False):
+            module.register_forward_hook(functools.partial(_settle_pending_output, mesh=mesh))
+            setattr(module, _SETTLED, True)
     model._dynamo_dist_plan = plan  # read by tools (explain); not used by the compiler
     return model
+
+
+_SETTLED = "_dynamo_dist_settles_output"
+
+
+def _settle_pending_output(module: nn.Module, args: Any, out: Any, *, mesh: DeviceMesh) -> Any:
+    """Forward hook of a row-split embedding: run eagerly (outside a compiled region, e.g.
+    when only the blocks are compiled, torchtitan's way), DTensor returns the lookup as a
+    pending sum (``_MaskPartial``: each rank looked up its own rows), and Dynamo cannot make a
+    fake of such a DTensor for the next compiled block (it holds the real mask). The sum is
+    taken here: on a data axis as a reduce_scatter over the batch (dim 0: the activations of
+    data parallelism), elsewhere as an all_reduce (Megatron's vocabulary-parallel embedding).
+    Inside a compiled program it does nothing: the planner places that value with the rest."""
+    if torch.compiler.is_compiling() or not isinstance(out, DTensor) \
+            or not any(isinstance(p, Partial) for p in out.placements):
+        return None
+    names, data = out.device_mesh.mesh_dim_names or (), mesh_facts.data_axes(mesh)
+    split0 = any(isinstance(p, Shard) and p.dim == 0 for p in out.placements)
+    target: list[Placement] = []
+    for axis, p in enumerate(out.placements):
+        if not isinstance(p, Partial):
+            target.append(p)
+        elif axis < len(names) and names[axis] in data and out.ndim and not split0 \
+                and out.shape[0] >= out.device_mesh.size(axis):
+            target.append(Shard(0))
+            split0 = True
+        else:
+            target.append(Replicate())
+    return out.redistribute(out.device_mesh, target)
 
 
 def _strided_parameter(value: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
