@@ -1,7 +1,8 @@
 """Compiling a model's blocks one by one (torchtitan's way: ``torch.compile`` on each layer,
 the embedding, final norm and head run eagerly on DTensors) on a model ``shard_module`` sharded:
-the row-split embedding's eager output is settled before the first compiled block, and the
-blocks train at parity with one process."""
+the row-split embedding's eager output is settled before the first compiled block, every
+gradient lands in its parameter's placement, and the blocks train at parity with one
+process."""
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -29,6 +30,9 @@ def test_blocks_compiled_one_by_one_train_at_parity():
         ref_loss.backward()
         assert abs(global_value(loss, rt).item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            # the eager embedding, norm and head too: DTensor made a whole or pending-sum
+            # gradient, shard_module's hook moved it
+            assert tuple(p.grad.placements) == tuple(p.placements), name
             torch.testing.assert_close(global_value(p.grad, rt), q.grad, rtol=1e-4, atol=1e-6,
                                        msg=f"step {step} {name}")
         model.zero_grad(set_to_none=True)

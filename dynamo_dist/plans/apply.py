@@ -117,7 +117,9 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
     Buffers stay plain tensors (global values). Inputs named in ``plan.input_plan`` get a
     sharding constraint each call. An ``nn.Embedding`` whose weight is split by rows (the
     vocabulary) gets a forward hook that settles its output when it runs eagerly (see
-    ``_settle_pending_output``), so the model's blocks can be compiled one by one.
+    ``_settle_pending_output``), and every sharded parameter a post-accumulate-grad hook that
+    puts a gradient computed eagerly in the parameter's placement
+    (``_gradient_in_parameter_placement``), so the model's blocks can be compiled one by one.
 
     Raises TypeError when ``model`` is not an nn.Module; DistCompileError for a placement that
     cannot apply (Partial included), a plan entry that matches no
@@ -164,18 +166,23 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
     if plan.input_plan or plan.output_plan or plan.return_local_tensor:
         model.forward = _constrained_forward(model, mesh, plan)
     mesh_facts.add_data_axes(mesh, plan.data_axes)
+    for param in {id(p): p for p in model.parameters()}.values():
+        if isinstance(param, DTensor) and param.requires_grad \
+                and not getattr(param, _HOOKED, False):
+            param.register_post_accumulate_grad_hook(_gradient_in_parameter_placement)
+            setattr(param, _HOOKED, True)
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if isinstance(module, nn.Embedding) and isinstance(weight, DTensor) \
                 and any(isinstance(p, Shard) and p.dim == 0 for p in weight.placements) \
-                and not getattr(module, _SETTLED, False):
+                and not getattr(module, _HOOKED, False):
             module.register_forward_hook(functools.partial(_settle_pending_output, mesh=mesh))
-            setattr(module, _SETTLED, True)
+            setattr(module, _HOOKED, True)
     model._dynamo_dist_plan = plan  # read by tools (explain); not used by the compiler
     return model
 
 
-_SETTLED = "_dynamo_dist_settles_output"
+_HOOKED = "_dynamo_dist_hooked"  # set on what shard_module gave a hook (once)
 
 
 def _settle_pending_output(module: nn.Module, args: Any, out: Any, *, mesh: DeviceMesh) -> Any:
@@ -202,6 +209,19 @@ def _settle_pending_output(module: nn.Module, args: Any, out: Any, *, mesh: Devi
         else:
             target.append(Replicate())
     return out.redistribute(out.device_mesh, target)
+
+
+def _gradient_in_parameter_placement(param: DTensor) -> None:
+    """Post-accumulate-grad hook of a sharded parameter: its gradient in its own placement.
+    A compiled program hands gradients over placed so (the hook finds nothing to do); code run
+    eagerly on DTensors (the embedding, norm and head when only the blocks are compiled) gets
+    DTensor's choice: a pending sum (a norm's weight: Partial on every axis) or a whole
+    gradient (a row-split embedding's: Replicate). Kept so, every rank would hold the whole
+    gradient (and a pending sum would be summed by whatever reads it next); moved here, a data
+    axis's sum is a reduce_scatter, as FSDP's."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def _strided_parameter(value: torch.Tensor, mesh: DeviceMesh, placements: tuple) -> DTensor:

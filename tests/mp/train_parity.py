@@ -76,6 +76,9 @@ def main() -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: ranks and the reference on GPUs (Triton kernels; NCCL, a GPU "
                          "per rank)")
+    ap.add_argument("--per-block", action="store_true",
+                    help="Llama with each decoder layer compiled on its own (torchtitan's way), "
+                         "the rest eager")
     ap.add_argument("--nested-regions", action="store_true",
                     help="Llama with every decoder layer a torch.compiler.nested_compile_region; "
                          "prints the ledger's collectives per phase")
@@ -115,8 +118,15 @@ def main() -> int:
         plan = plan.merged(ShardingPlan(output_plan={"logits": {"tp": Shard(2)}},
                                         return_local_tensor=("logits",)))
     shard_module(model, mesh, plan)
-    compiled = torch.compile(model, backend="dist", options={"inductor": bool(args.inductor)},
-                             dynamic=True if args.dynamic else None)
+    if args.per_block:
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = torch.compile(
+                layer, backend="dist", options={"inductor": bool(args.inductor)})
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend="dist",
+                                 options={"inductor": bool(args.inductor)},
+                                 dynamic=True if args.dynamic else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     shapes = [(8, 32), (8, 48), (8, 64), (8, 32), (4, 40)]
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -157,7 +167,8 @@ def main() -> int:
         ref_loss.backward()
         if last:
             for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-                assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, n
+                assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, \
+                    (n, p.grad.placements, p.placements)
                 torch.testing.assert_close(full(p.grad), q.grad, rtol=1e-4, atol=1e-5, msg=n)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
         a, b = full(loss).item(), ref_loss.item()
@@ -206,7 +217,8 @@ def train_cnn(args) -> int:
         ref_loss.backward()
         if step == 0:
             for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-                assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, n
+                assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, \
+                    (n, p.grad.placements, p.placements)
                 torch.testing.assert_close(full(p.grad), q.grad, rtol=1e-4, atol=1e-6, msg=n)
             for (n, b), (_, q) in zip(model.named_buffers(), ref.named_buffers()):
                 torch.testing.assert_close(b, q, rtol=1e-5, atol=1e-7, msg=n)
