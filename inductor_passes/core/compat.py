@@ -91,6 +91,12 @@ def dtensor_rng_modules() -> tuple[Any, Any] | None:
     return _dispatch, _random
 
 
+try:  # 2.11 and 2.13
+    from torch._library.fake_class_registry import FakeScriptObject as _FakeScriptObject
+except ImportError:  # pragma: no cover - no such wrapper: nothing to unwrap
+    _FakeScriptObject = ()
+
+
 def real_object(value: Any) -> Any:
     """The object behind ``value`` when it is Dynamo's stand-in for an opaque object, else
     ``value``. Torch 2.13 registers DeviceMesh as an opaque type: a mesh that is a graph input
@@ -98,12 +104,6 @@ def real_object(value: Any) -> Any:
     with it afterwards, as a ``FakeScriptObject`` that forwards only registered members, so
     attributes set on the real mesh (``mesh_facts``) read as absent through it."""
     return getattr(value, "real_obj", value) if isinstance(value, _FakeScriptObject) else value
-
-
-try:  # 2.11 and 2.13
-    from torch._library.fake_class_registry import FakeScriptObject as _FakeScriptObject
-except ImportError:  # pragma: no cover - no such wrapper: nothing to unwrap
-    _FakeScriptObject = ()
 
 
 def dtensor_of_local(local: torch.Tensor, spec: DTensorSpec) -> Any:
