@@ -61,6 +61,9 @@ def parse(argv: list[str] | None):
     ap.add_argument("--skip-schedule-check", action="store_true",
                     help="turn off dynamo_dist's rank-divergence check for ours (before "
                          "94d2e33 it rejected every dp x tp program); recorded in the results")
+    ap.add_argument("--ours-compile", choices=["model", "blocks"], default="model",
+                    help="ours: compile the whole model (default) or each FSDP unit (decoder "
+                         "layer) on its own, the rest eager (torchtitan's way); recorded")
     args = ap.parse_args(argv)
     for name in args.contestants + args.profile:
         if name not in NAMES:
@@ -82,7 +85,8 @@ def _forward_args(args, workload: str) -> list[str]:
             *(["--profile", ",".join(args.profile)] if args.profile else []),
             "--profile-steps", str(args.profile_steps), "--out", os.path.abspath(args.out),
             "--threads", str(args.threads), "--device", args.device,
-            *(["--skip-schedule-check"] if args.skip_schedule_check else [])]
+            *(["--skip-schedule-check"] if args.skip_schedule_check else []),
+            "--ours-compile", args.ours_compile]
 
 
 def launch(args) -> int:
@@ -120,7 +124,8 @@ def run_rank(args) -> int:
     opts = Options(steps=args.steps, warmup=args.warmup, contestants=tuple(args.contestants),
                    profile=tuple(args.profile), profile_steps=args.profile_steps,
                    profile_dir=os.path.join(args.out, "profiles"), device=args.device,
-                   skip_schedule_check=args.skip_schedule_check)
+                   skip_schedule_check=args.skip_schedule_check,
+                   ours_compile=args.ours_compile)
     try:
         results = run(w, opts)
         if results is not None:
@@ -131,6 +136,13 @@ def run_rank(args) -> int:
     return 0
 
 
+def _file_name(results: dict) -> str:
+    """The workload, and how ours was compiled where that is not the default (so a per-block
+    run does not overwrite the whole-model run's report)."""
+    how = results["config"].get("ours_compile", "model")
+    return results["workload"] + ("" if how == "model" else f"-ours-{how}")
+
+
 def write(results: dict, out: str) -> None:
     from benchmarks.bench.chart import step_time_chart
     from benchmarks.bench.report import targets, to_markdown
@@ -138,7 +150,7 @@ def write(results: dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     results["targets"] = targets(results)
     stamp = results["timestamp"].replace(":", "").replace("-", "").replace("T", "-")
-    name = results["workload"]
+    name = _file_name(results)
     with open(os.path.join(out, f"{name}-{stamp}.json"), "w") as f:
         json.dump(results, f, indent=1)
     md = to_markdown(results)
@@ -157,7 +169,7 @@ def render(paths: list[str]) -> int:
     for path in paths:
         with open(path) as f:
             results = json.load(f)
-        out, name = os.path.dirname(os.path.abspath(path)), results["workload"]
+        out, name = os.path.dirname(os.path.abspath(path)), _file_name(results)
         with open(os.path.join(out, f"{name}.md"), "w") as f:
             f.write(to_markdown(results))
         step_time_chart(results, os.path.join(out, f"{name}.png"))

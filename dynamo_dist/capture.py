@@ -76,7 +76,7 @@ class InputInfo:
     def origin(self) -> roles.InputOrigin:
         """What the planner knows of this tensor input (a DTensor's gathers cost memory)."""
         return roles.InputOrigin(roles.InputKind.DTENSOR if self.kind is ArgKind.DTENSOR else
-                                 roles.InputKind.PLAIN, self.name)
+                                 roles.InputKind.PLAIN, self.name, self.parameter)
 
 
 @dataclasses.dataclass

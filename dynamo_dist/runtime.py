@@ -55,7 +55,13 @@ class _DistFunction(torch.autograd.Function):
         # saved sizes (a program with symbolic shapes) are ints, kept beside the tensors
         ctx.save_for_backward(*[s for s in saved if isinstance(s, torch.Tensor)])
         ctx.sizes = [(i, s) for i, s in enumerate(saved) if not isinstance(s, torch.Tensor)]
-        user = tuple(outs[:n])
+        # an output the runtime hands on as a DTensor leaves as a view of what the program
+        # made: ``from_local`` then gives its DTensor a local tensor outside the autograd graph,
+        # as DTensor's own ops do, so a block fed by another compiled block and one fed by
+        # eager DTensor code meet the same Dynamo guards (the local tensor's requires_grad):
+        # one compile per distinct block, not two
+        user = tuple(o.view_as(o) if k in step.dtensor_outputs else o
+                     for k, o in enumerate(outs[:n]))
         diff = set(step.diff_outputs)
         ctx.mark_non_differentiable(*[o for i, o in enumerate(user)
                                       if i not in diff and isinstance(o, torch.Tensor)])
@@ -129,6 +135,8 @@ class DistStep:
         # inputs the program updates in place: their new values are the last forward outputs
         self.mutated_inputs = list(mutated_inputs)
         self.num_user_outputs = len(self.output_placements) - len(self.mutated_inputs)
+        self.dtensor_outputs = {k for k, pl in enumerate(self.output_placements[
+            :self.num_user_outputs]) if pl is not None}
         self.calls = 0  # how often this graph ran (a recompiled program leaves old ones idle)
         self._grad_specs: dict = {}  # (input, global shape, local strides, dtype) -> DTensorSpec
         self._same_mesh: dict[int, tuple[Any, bool]] = {}  # id -> (mesh, equals self.mesh)

@@ -26,7 +26,8 @@ import torch
 import torch.fx as fx
 
 from inductor_passes.compile import compile_joint, sizes_first
-from inductor_passes.core.compat import disable_local_tensor_mode
+from inductor_passes.core.compat import (disable_local_tensor_mode, local_tensor_rng_states,
+                                         set_local_tensor_rng_states)
 from inductor_passes.lowering import lower
 
 c10d = torch.ops._c10d_functional
@@ -86,19 +87,27 @@ def _seeded(target) -> bool:
 
 
 def run_lockstep(graphs: dict[tuple[int, ...], fx.GraphModule], inputs: dict[tuple[int, ...], list],
-                 groups: Groups) -> dict[tuple[int, ...], list]:
+                 groups: Groups, rng: dict[tuple[int, ...], torch.Tensor] | None = None
+                 ) -> dict[tuple[int, ...], list]:
     """Interpret one local graph per rank; returns each rank's flat outputs.
 
     Ranks run on their own between collectives and meet at each one. Every rank must issue the
     same collective on the same group next (else a real run would hang: AssertionError).
+    ``rng``: each rank's CPU generator state to draw from (default: the global state, for
+    every rank); each rank's state after its draws is written back into it, and the global
+    generator is left where the last rank's draws left it (a program's draws advance it, as
+    one device's do).
     """
-    start = torch.get_rng_state()
-    runners = {c: _rank_program(g, inputs[c], start) for c, g in graphs.items()}
+    rng = rng if rng is not None else {c: torch.get_rng_state() for c in graphs}
+    runners = {c: _rank_program(g, inputs[c], rng[c]) for c, g in graphs.items()}
     pending = {c: next(r) for c, r in runners.items()}
     step = 0
     while True:
         done = {c for c, p in pending.items() if p[0] == "done"}
         if len(done) == len(pending):
+            for c, p in pending.items():
+                rng[c] = p[2]
+            torch.set_rng_state(rng[max(rng)])
             return {c: p[1] for c, p in pending.items()}
         issued = {c: (str(p[1]), p[2][-1]) for c, p in pending.items() if p[0] != "done"}
         if done or len(set(issued.values())) != 1:
@@ -124,7 +133,7 @@ def _rank_program(gm: fx.GraphModule, inputs: Sequence, rng: torch.Tensor):
             env[node] = getattr(gm, node.target)
             continue
         if node.op == "output":
-            yield "done", list(fx.node.map_arg(node.args[0], lambda a: env[a]))
+            yield "done", list(fx.node.map_arg(node.args[0], lambda a: env[a])), rng
             return
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
         if node.target in _COLLECTIVES:
@@ -209,8 +218,17 @@ class SimulatedJoint:
         return [_pack({self.ranks[c]: outs[c][k] for c in outs}) for k in range(n)]
 
     def _run(self, graphs: dict, inputs: dict) -> dict:
+        # each simulated rank draws from its own generator state, as LocalTensorMode's eager
+        # ops do, and the draws advance it: a program compiled per block draws the second
+        # block's dropout masks after the first block's, not the same ones again
+        states = local_tensor_rng_states()
+        rng = None if states is None else \
+            {c: states.get(r, torch.get_rng_state()) for c, r in self.ranks.items()}
         with disable_local_tensor_mode(), torch.no_grad():
-            return run_lockstep(graphs, inputs, self.groups)
+            outs = run_lockstep(graphs, inputs, self.groups, rng)
+        if rng is not None:
+            set_local_tensor_rng_states({self.ranks[c]: s for c, s in rng.items()})
+        return outs
 
 
 def simulated_joint(gm: fx.GraphModule, plan, mesh, num_fwd_outputs: int,

@@ -70,3 +70,33 @@ def test_dtensor_rng_tracker_stays_out_of_dist_tracing(fake_mesh, monkeypatch):
     prop = type(tracker).distribute_region_enabled
     assert patches.install_plain_random_while_tracing()  # idempotent: not wrapped again
     assert type(tracker).distribute_region_enabled is prop
+
+
+def test_simulated_calls_draw_one_after_another_as_one_device(fake_mesh):
+    """A program run on simulated ranks advances each rank's generator as its draws do
+    (LocalTensorMode keeps one state per rank): called twice, it draws the second call's
+    numbers after the first's, as one device does. It used to leave the states where they
+    were, so a model compiled block by block drew the same dropout masks in every block."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    from dynamo_dist.testing.zoo.cell import SimRuntime, global_value
+
+    rt = SimRuntime()
+    mesh = rt.setup({"dp": 2})
+    x = torch.randn(8, 6)
+
+    def f(x):
+        return torch.nn.functional.dropout(x, 0.5, training=True) * 3
+
+    compiled = torch.compile(f, backend="dist", fullgraph=True, options=rt.options())
+    torch.manual_seed(7)
+    with rt.eager():
+        sharded = distribute_tensor(x, mesh, [Shard(0)])
+        got = [compiled(sharded) for _ in range(2)]
+        got = [g.full_tensor() for g in got]
+    torch.manual_seed(7)
+    want = [f(x) for _ in range(2)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(global_value(g, rt), w)
+    assert not torch.equal(want[0], want[1])
+    assert isinstance(rt.eager(), LocalTensorMode)

@@ -10,7 +10,9 @@ batch at step ``i``, uses the same loss and optimizer, and does forward + backwa
                     plus FSDP2 ``fully_shard`` on the ``dp`` axis when the mesh has one; eager
   dtensor_inductor  the same model and plan under ``torch.compile`` (Inductor), whole model
   ours              ``shard_module`` with TensorParallelPlanner (+ DataParallelPlanner on ``dp``)
-                    and ``torch.compile(backend="dist")``
+                    and ``torch.compile(backend="dist")``: the whole model, or
+                    (``--ours-compile blocks``) each of the workload's FSDP units on its own,
+                    the rest eager (torchtitan's per-block compile)
 
 DTensor contestants feed each dp rank its piece of the global batch (as FSDP expects); ours is fed
 the global batch (its planner shards it). DTensor contestants run with torch's default DTensor
@@ -143,8 +145,10 @@ class Contestant:
         return local_bytes(resident_tensors(self.model, self.opt))
 
 
-def build(name: str, workload: Workload, mesh, device: torch.device) -> Contestant:
-    """Build contestant ``name`` on this rank (a collective for SPMD contestants)."""
+def build(name: str, workload: Workload, mesh, device: torch.device,
+          ours_compile: str = "model") -> Contestant:
+    """Build contestant ``name`` on this rank (a collective for SPMD contestants).
+    ``ours_compile``: "model" compiles ours whole, "blocks" each FSDP unit on its own."""
     rank = dist.get_rank()
     c = Contestant(name, workload, device, active=(name not in ONE_PROCESS or rank == 0))
     if not c.active:
@@ -164,7 +168,12 @@ def build(name: str, workload: Workload, mesh, device: torch.device) -> Contesta
             c.fn = torch.compile(model) if name == "dtensor_inductor" else model
         else:
             _shard_ours(model, workload, mesh)
-            c.fn = torch.compile(model, backend="dist")
+            if ours_compile == "blocks":
+                for unit in workload.fsdp_units(model):
+                    unit.compile(backend="dist")
+                c.fn = model
+            else:
+                c.fn = torch.compile(model, backend="dist")
     c.model = model
     c.opt = workload.make_optimizer(model.parameters())
     return c

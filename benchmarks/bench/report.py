@@ -83,6 +83,10 @@ def to_markdown(results: dict) -> str:
         lines += [f"1-minute load average {' -> '.join(str(l[0]) for l in loads)} on "
                   f"{m['cores']} cores (this job's own {m['world_size']} ranks count for up to "
                   f"{m['world_size']}; more means other work shared the machine).", ""]
+    if results["config"].get("ours_compile", "model") == "blocks":
+        lines += ["**ours compiled each decoder layer on its own** (`--ours-compile blocks`: "
+                  "`Module.compile(backend=\"dist\")` on every FSDP unit; embedding, final norm, "
+                  "head and loss eager on DTensors, torchtitan's way).", ""]
     if results["config"].get("skip_schedule_check"):
         lines += ["**ours ran with dynamo_dist's rank-divergence check turned off** "
                   "(`--skip-schedule-check`; before 94d2e33 the check rejected every dp x tp "

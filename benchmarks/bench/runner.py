@@ -60,6 +60,7 @@ class Options:
     profile_dir: str = "benchmarks/results/profiles"
     device: str = "cpu"
     skip_schedule_check: bool = False
+    ours_compile: str = "model"   # or "blocks": each FSDP unit compiled on its own
 
 
 def configure_dynamo() -> None:
@@ -162,7 +163,8 @@ class Runner:
         for name in self.opts.contestants:
             placeholder = C.Contestant(name, self.w, self.device, active=True)
             built = self.guarded(placeholder, "build",
-                                 lambda name=name: C.build(name, self.w, self.mesh, self.device))
+                                 lambda name=name: C.build(name, self.w, self.mesh, self.device,
+                                                          self.opts.ours_compile))
             self.cs.append(built if built is not None else placeholder)
 
     def first_calls(self) -> None:
@@ -344,6 +346,7 @@ def assemble(workload: Workload, opts: Options, device, r: Runner, per_rank: lis
                                "every step",
                       "dynamo": "automatic_dynamic_shapes=False",
                       "skip_schedule_check": opts.skip_schedule_check,
+                      "ours_compile": opts.ours_compile,
                       "contestants": list(opts.contestants)},
            "contestants": {}, "profiles": profiles}
     ref_loss = numerics.get("eager_1p", {}).get("eval_loss")

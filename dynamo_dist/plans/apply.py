@@ -208,7 +208,13 @@ def _settle_pending_output(module: nn.Module, args: Any, out: Any, *, mesh: Devi
             split0 = True
         else:
             target.append(Replicate())
-    return out.redistribute(out.device_mesh, target)
+    settled = out.redistribute(out.device_mesh, target)
+    # the gradient must come back in ``target`` (no pending sum): DTensor cannot move a
+    # Partial gradient to the _MaskPartial the redistribute started from. GPT-2's position
+    # embedding (batch 1, so Replicate here) gets the batch's sum of gradients, Partial on dp.
+    # ``from_local``'s backward reduces it to ``target`` first.
+    return DTensor.from_local(settled.to_local(), settled.device_mesh, target, run_check=False,
+                              shape=settled.shape, stride=settled.stride())
 
 
 def _gradient_in_parameter_placement(param: DTensor) -> None:

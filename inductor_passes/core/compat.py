@@ -357,6 +357,30 @@ def local_tensor_mode_active() -> bool:
     return enabled_local_tensor_mode() is not None
 
 
+def local_tensor_rng_states() -> dict[int, torch.Tensor] | None:
+    """Rank -> CPU generator state of the enabled LocalTensorMode (2.13: each simulated rank
+    draws from its own state, set from the global one when the mode is entered or seeded), or
+    None when no mode (or no per-rank state) is on."""
+    try:
+        from torch.distributed._local_tensor import enabled_local_tensor_mode
+    except ImportError:
+        return None
+    mode = enabled_local_tensor_mode()
+    states = getattr(mode, "_per_rank_rng_states", None)
+    return {r: s[0] for r, s in states.items()} if states else None
+
+
+def set_local_tensor_rng_states(states: dict[int, torch.Tensor]) -> None:
+    """Give the enabled LocalTensorMode's ranks these CPU generator states (their other
+    devices' states kept), as its own ops leave them after a draw."""
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    mode = enabled_local_tensor_mode()
+    for r, cpu in states.items():
+        old = mode._per_rank_rng_states.get(r, (None, {}))
+        mode._per_rank_rng_states[r] = (cpu, old[1])
+
+
 def allow_implicit_replication(enabled: bool = True) -> None:
     """Let DTensor treat plain tensors mixed with DTensors as Replicate.
 

@@ -639,10 +639,13 @@ class EdgePricer:
     """Cost of one redistribute of a joint-graph value (bytes-equivalent): ``cost.redistribute_cost``
     x ``config.param_gather_factor`` when a parameter is gathered on a non-data axis (its
     memory), or x ``config.data_axis_activation_factor`` when any other value leaves a Shard on
-    a data axis: a data axis is the user's statement that samples are split there
-    (DataParallelPlanner), and in DDP/FSDP only parameters, gradients and the loss cross it;
-    otherwise, at small batch, gathering the token ids and repeating the step on every
-    data-parallel rank moves fewer bytes than reducing gradients but is not data parallelism."""
+    a data axis (a DTensor input that is no ``nn.Parameter`` counts as such a value there: a
+    block compiled on its own gets the previous block's activations, split over the batch, as
+    a DTensor input, and optimizer state is no parameter either): a data axis is the user's
+    statement that samples are split there (DataParallelPlanner), and in DDP/FSDP only
+    parameters, gradients and the loss cross it; otherwise, at small batch, gathering the
+    token ids and repeating the step on every data-parallel rank moves fewer bytes than
+    reducing gradients but is not data parallelism."""
 
     def __init__(self, gm: fx.GraphModule, mesh, origins, data_axes: Sequence[str],
                  greedy: bool = False, config: PlannerConfig = DEFAULT) -> None:
@@ -650,6 +653,10 @@ class EdgePricer:
         weights = axis_weights(mesh)
         self.weights = weights if any(w != 1.0 for w in weights) else None
         self.params = parameter_views(gm, origins, _priced_axes(mesh, data_axes))
+        # DTensor inputs that are not nn.Parameters: priced as parameters off the data axes, as
+        # data on them
+        self.not_params = set(parameter_views(
+            gm, origins, (), parameters=False)) if data_axes else set()
         self.data_idx = _data_idx(mesh, data_axes)
         self.vocab_inputs = embedding.vocab_gradient_inputs(gm)
         self._keys: dict[fx.Node, tuple] = {}
@@ -660,7 +667,7 @@ class EdgePricer:
         if key is None:
             val = node.meta["val"]
             key = self._keys[node] = (tuple(val.shape), val.dtype, self.params.get(node),
-                                      node in self.vocab_inputs)
+                                      node in self.vocab_inputs, node in self.not_params)
         return key
 
     def __call__(self, node: fx.Node, cur, req) -> float:
@@ -668,11 +675,12 @@ class EdgePricer:
         cost = redistribute_cost(tuple(val.shape), val.dtype, cur, req, self.mesh_shape,
                                  self.greedy, self.weights, self.config)
         priced = self.params.get(node)
-        if priced is not None:
+        off_data_split = node not in self.vocab_inputs and \
+            any(is_split(cur[i]) and cur[i] != req[i] for i in self.data_idx)
+        if priced is not None and not (off_data_split and node in self.not_params):
             if any(is_split(cur[i]) and not is_split(req[i]) for i in priced):
                 cost *= self.config.param_gather_factor
-        elif node not in self.vocab_inputs and \
-                any(is_split(cur[i]) and cur[i] != req[i] for i in self.data_idx):
+        elif off_data_split:
             cost *= self.config.data_axis_activation_factor
         return cost
 
@@ -705,13 +713,15 @@ _VIEW_LIKE = {"aten.permute.default", "aten.view.default", "aten.t.default", "at
               "prims.convert_element_type.default"}
 
 
-def parameter_views(gm: fx.GraphModule, origins, priced_axes: tuple[int, ...]
-                    ) -> dict[fx.Node, tuple[int, ...]]:
+def parameter_views(gm: fx.GraphModule, origins, priced_axes: tuple[int, ...],
+                    parameters: bool | None = None) -> dict[fx.Node, tuple[int, ...]]:
     """Parameter inputs (DTensor primals of a floating or complex dtype: integer DTensors are
     token ids or labels, batch data on a data axis) and views/casts of them -> the mesh axes on
-    which gathering them is priced as memory."""
+    which gathering them is priced as memory. ``parameters``: None takes every such DTensor
+    input, True only ``nn.Parameter``s, False only the others (``InputOrigin.parameter``)."""
     found = {n: priced_axes for n, o in zip(roles.primals(gm.graph), origins)
              if o.kind is roles.InputKind.DTENSOR and
+             (parameters is None or o.parameter == parameters) and
              (n.meta["val"].is_floating_point() or n.meta["val"].is_complex())}
     for node in gm.graph.nodes:
         if node.op == "call_function" and str(node.target) in _VIEW_LIKE and \

@@ -5,6 +5,7 @@ on simulated ranks and on real gloo ranks, and writes ``docs/model_coverage.md``
     python -m dynamo_dist.testing.zoo --models gpt2 bert --meshes tp=2 --runtimes sim
     python -m dynamo_dist.testing.zoo --fast                # the CI subset
     python -m dynamo_dist.testing.zoo --runtimes cuda --meshes tp=1 --jobs 3  # on one GPU
+    python -m dynamo_dist.testing.zoo --per-block --out /tmp/pb.md --json /tmp/pb.json
 
 Each cell runs in its own process(es) under a time limit (a hang is reported as one).
 """
@@ -34,12 +35,14 @@ FAST_MODELS = ("gpt2", "bert", "mixtral", "convnet")
 
 
 def run_one(model: str, mesh: str, runtime: str, steps: int, inductor: bool,
-            timeout: float) -> dict:
-    """One cell in fresh process(es); a crash or hang becomes a result row."""
+            timeout: float, per_block: bool = False) -> dict:
+    """One cell in fresh process(es); a crash or hang becomes a result row. ``per_block``:
+    each repeated block compiled on its own (``cell.blocks_of``), the rest eager."""
     world = math.prod(parse_mesh(mesh).values())
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
-        worker = ["-m", "dynamo_dist.testing.zoo.worker", model, mesh, out, "--steps", str(steps)]
+        worker = ["-m", "dynamo_dist.testing.zoo.worker", model, mesh, out, "--steps", str(steps),
+                  *(["--per-block"] if per_block else [])]
         if runtime == "sim":
             cmd = [sys.executable, *worker, "--sim"]
         else:  # --standalone: a free port, so that cells may run side by side (--jobs)
@@ -77,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="layers per model (default 2; sets DYNAMO_DIST_ZOO_LAYERS)")
     ap.add_argument("--jobs", type=int, default=1,
                     help="cells run side by side (each in its own processes)")
+    ap.add_argument("--per-block", action="store_true",
+                    help="compile each repeated block (the entries of a ModuleList: decoder "
+                         "layers) on its own, the rest eager on DTensors (torchtitan's way)")
     ap.add_argument("--out", default="docs/model_coverage.md")
     ap.add_argument("--json", default="docs/model_coverage.json")
     args = ap.parse_args(argv)
@@ -90,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(cell: tuple[str, str, str]) -> dict:
         model, mesh, runtime = cell
-        row = run_one(model, mesh, runtime, args.steps, not args.no_inductor, args.timeout)
+        row = run_one(model, mesh, runtime, args.steps, not args.no_inductor, args.timeout,
+                      args.per_block)
         print(f"{model:<10} {mesh:<10} {runtime:<5} {row['status']:<7} "
               f"loss {row.get('loss_rel', float('nan')):.1e} "
               f"grad {row.get('grad_rel', float('nan')):.1e} "

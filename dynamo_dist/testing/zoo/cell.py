@@ -190,13 +190,46 @@ def plan_model(model: torch.nn.Module, axes: dict[str, int], tp_options: dict | 
     return plan
 
 
+def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: the entries of every ``nn.ModuleList`` of two or more that
+    is not inside another such block (decoder layers, not a MoE layer's experts)."""
+    found: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, torch.nn.ModuleList) and len(child) >= 2:
+                found.extend(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def _without_eager_dropout(model: torch.nn.Module) -> None:
+    """Every ``nn.Dropout`` outside ``blocks_of(model)`` replaced by ``nn.Identity``. Run
+    eagerly on DTensors, dropout draws what DTensor's own RNG gives a CPU mesh (each rank its
+    generator's numbers for its own piece), not what one device draws; a per-block cell
+    compares what the compiled blocks and the hooks between them do, so the eager parts
+    draw nothing (the compiled blocks' dropout still draws, as one device does)."""
+    inside = {id(m) for b in blocks_of(model) for m in b.modules()}
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, torch.nn.Dropout) and id(mod) not in inside:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, torch.nn.Identity())
+
+
 def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3,
-             tp_options: dict | None = None) -> dict:
+             tp_options: dict | None = None, per_block: bool = False) -> dict:
     """Train ``zm`` on the mesh ``mesh_text`` for ``steps`` AdamW steps; the result row.
-    ``tp_options``: knobs of the tensor-parallel planner (``plan_model``)."""
+    ``tp_options``: knobs of the tensor-parallel planner (``plan_model``). ``per_block``:
+    compile each of ``blocks_of(model)`` on its own (torchtitan's way), the rest eager on
+    DTensors; the row has no textbook comparison then (the eager parts' collectives are
+    DTensor's, not in any ledger)."""
     axes = parse_mesh(mesh_text)
     row: dict[str, Any] = {"model": zm.name, "family": zm.family, "mesh": mesh_text,
-                           "runtime": rt.name, "inductor": rt.inductor, "status": "crash"}
+                           "runtime": rt.name, "inductor": rt.inductor, "status": "crash",
+                           "per_block": per_block}
     row["torch"] = torch.__version__
     # the architectures' code: their traced paths differ between versions
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
@@ -209,7 +242,7 @@ def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3,
     logs = _CapturedLog()
     try:
         with logs, _inductor_random_as_eager(), _quiet_transformers_warn_once():
-            _train(zm, axes, rt, steps, row, tp_options)
+            _train(zm, axes, rt, steps, row, tp_options, per_block)
     except ReplicaMismatch as exc:
         row.update(status="WRONG", error=str(exc))
     except Exception as exc:  # noqa: BLE001 -- a zoo cell reports every failure
@@ -287,9 +320,11 @@ def _on(device: str, batch: Any) -> Any:
 
 
 def _train(zm: ZooModel, axes: dict[str, int], rt: Runtime, steps: int, row: dict,
-           tp_options: dict | None = None) -> None:
+           tp_options: dict | None = None, per_block: bool = False) -> None:
     mesh = rt.setup(axes)
     ref = zm.build().to(rt.device)
+    if per_block:
+        _without_eager_dropout(ref)
     model = copy.deepcopy(ref)
     plan = plan_model(model, axes, tp_options)
     row["params"] = _param_summary(model, plan)
@@ -304,7 +339,13 @@ def _train(zm: ZooModel, axes: dict[str, int], rt: Runtime, steps: int, row: dic
         rt.localize(model)
     row["ties_kept"] = ties == sorted(tuple(sorted(n)) for _, n in parameter_groups(model)
                                       if len(n) > 1)
-    compiled = torch.compile(model, backend="dist", options=rt.options())
+    if per_block:
+        blocks = blocks_of(model)
+        for block in blocks:
+            block.compile(backend="dist", options=rt.options())
+        row["blocks"], compiled = len(blocks), model
+    else:
+        compiled = torch.compile(model, backend="dist", options=rt.options())
     with rt.eager():
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
@@ -313,7 +354,10 @@ def _train(zm: ZooModel, axes: dict[str, int], rt: Runtime, steps: int, row: dic
         calls = [(r, r.step.calls if r.step else 0) for r in compile_records()]
         args, kwargs = _on(rt.device, zm.batch(step))
         torch.manual_seed(100 + step)
-        loss = loss_of(compiled(*args, **kwargs))
+        # per block, the code between the blocks runs eagerly on DTensors (simulated ranks:
+        # under the runtime's eager mode)
+        with rt.eager() if per_block else contextlib.nullcontext():
+            loss = loss_of(compiled(*args, **kwargs))
         with rt.eager():
             loss.backward()
         if step == 0:
@@ -342,7 +386,7 @@ def _train(zm: ZooModel, axes: dict[str, int], rt: Runtime, steps: int, row: dic
     row.update(losses=losses, loss_rel=loss_rel, grad_rel=grad_rel, grad_worst=worst,
                param_rel=param_rel, zero_gradient=noise)
     row["status"] = "parity" if loss_rel <= LOSS_TOL and grad_rel <= GRAD_TOL else "WRONG"
-    row["textbook"] = compare(expected, _step_counts(calls))
+    row["textbook"] = [] if per_block else compare(expected, _step_counts(calls))
 
 
 # A gradient tensor whose reference norm is below this fraction of the largest one is zero in
