@@ -141,20 +141,23 @@ def test_lp_relaxation_taken_only_when_integral():
 
 
 @pytest.mark.parametrize("parameter", [True, False])
-def test_a_dtensor_input_that_is_no_parameter_stays_split_on_a_data_axis(fake_mesh, parameter):
+def test_a_dtensor_input_that_is_no_parameter_is_priced_as_data_on_a_data_axis(fake_mesh,
+                                                                               parameter):
     """A block compiled on its own gets the previous block's activations as a DTensor input,
-    split over the batch on the data axis. With few rows, gathering them and splitting the
-    weight's columns moves fewer bytes than gathering the weight, which is what a parameter
-    input may do (a parameter's gather on a data axis is FSDP's); an input that is no
-    ``nn.Parameter`` is data there, and must stay split over the batch."""
+    split over the batch on the data axis. A softmax over the batch needs it whole there: a
+    parameter input may be gathered at no extra price (FSDP gathers parameters on a data
+    axis), so the planner gathers the input, the larger value; an input that is no
+    ``nn.Parameter`` is data, priced as any activation: the matmul runs on the batch split
+    and its smaller output is moved instead (an all_to_all to a split of the other dim)."""
     mesh = fake_mesh((2,), ("dp",))
-    b, d, h = 4, 64, 64
-    gm = _graph(lambda x, w: (torch.relu(x @ w),), (b, d), (d, h))
+    b, d, h = 8, 64, 16
+    gm = _graph(lambda x, w: (torch.softmax(x @ w, 0),), (b, d), (d, h))
     origins = [roles.InputOrigin(roles.InputKind.DTENSOR, "x", parameter=parameter),
                roles.InputOrigin(roles.InputKind.DTENSOR, "w")]
-    plan = propagate(gm, mesh, [(Shard(0),), (Shard(0),)], 1, [], [], lambda n: None, origins,
+    plan = propagate(gm, mesh, [(Shard(0),), (R,)], 1, [], [], lambda n: None, origins,
                      data_axes=("dp",))
     if parameter:
-        assert plan.nodes["mm"].inputs[0] == (R,)  # the cheaper move, taken for a parameter
+        assert plan.nodes["mm"].inputs[0] == (R,)
     else:
-        assert plan.nodes["mm"].inputs == ((Shard(0),), (R,))  # FSDP: gather the weight
+        assert plan.nodes["mm"].inputs[0] == (Shard(0),)
+        assert plan.nodes["_softmax"].inputs[0] == (Shard(1),)
