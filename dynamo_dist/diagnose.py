@@ -99,7 +99,18 @@ def hint_for(text: str, frame_names: set[str] = frozenset(), code: str = "") -> 
 
 
 def recompile_hint(reason: str) -> str | None:
+    """The fix for a recompile, from Dynamo's guard-failure text (None if none is known)."""
     low = reason.lower()
+    if "is_initialized" in low and "cache" in low:
+        return ("a transformers cache (use_cache=True) is passed to every layer, and Dynamo "
+                "guards on its per-layer state: a block compiled on its own is compiled again "
+                "for each layer (and past the recompile limit runs uncompiled); train with "
+                "use_cache=False (model.config.use_cache = False)")
+    if "_local_tensor" in low and "requires_grad" in low:
+        return ("a DTensor input's local tensor requires grad on one call and not on another "
+                "(DTensor.from_local on a tensor in the autograd graph, against DTensor's own "
+                "ops): build such inputs one way, e.g. from_local(x.detach()) where no gradient "
+                "is wanted, or DTensor ops throughout")
     if "dtensor_spec" in low or "placements" in low or "device_mesh" in low:
         return ("a DTensor input came with another mesh or placements than the graph was compiled "
                 "for (Dynamo guards each DTensor's spec): redistribute it to one layout before "

@@ -97,6 +97,19 @@ def test_recompile_on_changed_placements(fake_mesh):
     assert "Recompilations" in report.to_text()
 
 
+def test_recompile_hints_name_the_fix_for_a_layer_cache_and_a_local_tensor():
+    """Guard failures seen when blocks are compiled one by one (Dynamo's own texts): a
+    transformers cache passed to every layer, and a DTensor input made two ways."""
+    from dynamo_dist.diagnose import recompile_hint
+
+    cache = ("args[1].layers[0].is_initialized == False  # if not self.is_initialized:  "
+             "# transformers/cache_utils.py:133 in update")
+    assert "use_cache=False" in recompile_hint(cache)
+    local = "tensor 'args[0]._local_tensor' requires_grad mismatch. expected requires_grad=0"
+    assert "from_local" in recompile_hint(local)
+    assert recompile_hint("___check_type_id(L['x'], 94)") is None
+
+
 def test_graph_input_placements_and_ledger(fake_mesh):
     mesh = fake_mesh((2,), ("tp",))
     m = shard_module(Tiny(), mesh, ShardingPlan(plan={"fc.weight": {"tp": Shard(0)},
