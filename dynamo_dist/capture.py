@@ -72,11 +72,16 @@ class InputInfo:
     stride: tuple[int, ...] | None = None  # GLOBAL strides as the tensor arrived (DTensor: its own)
     local_stride: tuple[int, ...] | None = None  # a DTensor's local tensor's strides, this rank
     parameter: bool = False  # an nn.Parameter: resident for the whole step, free to save
+    computed: bool = False  # not a leaf: made by autograd-tracked code before this program
 
     def origin(self) -> roles.InputOrigin:
-        """What the planner knows of this tensor input (a DTensor's gathers cost memory)."""
-        return roles.InputOrigin(roles.InputKind.DTENSOR if self.kind is ArgKind.DTENSOR else
-                                 roles.InputKind.PLAIN, self.name, self.parameter)
+        """What the planner knows of this tensor input (a DTensor's gathers cost memory). A
+        parameter to it is an ``nn.Parameter`` or a leaf that requires grad (a weight passed
+        as an argument); a value computed before the program (a block's incoming
+        activations) or a leaf that needs no gradient (data, optimizer state) is not."""
+        return roles.InputOrigin(
+            roles.InputKind.DTENSOR if self.kind is ArgKind.DTENSOR else roles.InputKind.PLAIN,
+            self.name, self.parameter or (self.requires_grad and not self.computed))
 
 
 @dataclasses.dataclass
@@ -114,7 +119,7 @@ def classify_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[I
                                    x.requires_grad, compat.real_object(x.device_mesh),
                                    tuple(x.placements),
                                    _sizes(x.stride()), _sizes(x.to_local().stride()),
-                                   isinstance(x, torch.nn.Parameter)))
+                                   isinstance(x, torch.nn.Parameter), not x.is_leaf))
         elif isinstance(x, torch.Tensor):
             # a plain tensor is a global value; ``spmd.mark_sharding`` may have given it a
             # placement eagerly (each rank then receives its own piece)

@@ -147,7 +147,7 @@ def test_a_dtensor_input_that_is_no_parameter_is_priced_as_data_on_a_data_axis(f
     split over the batch on the data axis. A softmax over the batch needs it whole there: a
     parameter input may be gathered at no extra price (FSDP gathers parameters on a data
     axis), so the planner gathers the input, the larger value; an input that is no
-    ``nn.Parameter`` is data, priced as any activation: the matmul runs on the batch split
+    parameter (``InputOrigin.parameter``) is data, priced as any activation: the matmul runs on the batch split
     and its smaller output is moved instead (an all_to_all to a split of the other dim)."""
     mesh = fake_mesh((2,), ("dp",))
     b, d, h = 8, 64, 16
@@ -161,3 +161,18 @@ def test_a_dtensor_input_that_is_no_parameter_is_priced_as_data_on_a_data_axis(f
     else:
         assert plan.nodes["mm"].inputs[0] == (Shard(0),)
         assert plan.nodes["_softmax"].inputs[0] == (Shard(1),)
+
+
+def test_which_dtensor_inputs_the_planner_takes_for_parameters():
+    """An ``nn.Parameter``, or a leaf that requires grad (a functional program's weight), is a
+    parameter; a value computed before the program (a block's incoming activations: not a
+    leaf) or a leaf that needs no gradient (data, optimizer state) is not."""
+    from dynamo_dist.capture import ArgKind, InputInfo
+
+    def origin(**kw):
+        return InputInfo(0, "x", ArgKind.DTENSOR, **kw).origin().parameter
+
+    assert origin(parameter=True, requires_grad=True)
+    assert origin(requires_grad=True)  # distribute_tensor(w).requires_grad_()
+    assert not origin(requires_grad=True, computed=True)
+    assert not origin()

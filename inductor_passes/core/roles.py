@@ -75,10 +75,10 @@ class InputKind(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class InputOrigin:
     """Where a primal came from: its kind, the user's name for it (for reports), and whether
-    it is an ``nn.Parameter``. A DTensor input that is not one is priced as data on a data
-    axis: a block compiled on its own (torchtitan's per-layer compile) receives the previous
-    block's activations as a DTensor split over the batch, and gathering those is not data
-    parallelism."""
+    it is a parameter (an ``nn.Parameter``, or a leaf that requires grad). A DTensor input that
+    is not one is priced as data on a data axis: a block compiled on its own (torchtitan's
+    per-layer compile) receives the previous block's activations as a DTensor split over the
+    batch, and gathering those is not data parallelism."""
     kind: InputKind
     name: str
     parameter: bool = True

@@ -639,9 +639,9 @@ class EdgePricer:
     """Cost of one redistribute of a joint-graph value (bytes-equivalent): ``cost.redistribute_cost``
     x ``config.param_gather_factor`` when a parameter is gathered on a non-data axis (its
     memory), or x ``config.data_axis_activation_factor`` when any other value leaves a Shard on
-    a data axis (a DTensor input that is no ``nn.Parameter`` counts as such a value there: a
-    block compiled on its own gets the previous block's activations, split over the batch, as
-    a DTensor input, and optimizer state is no parameter either): a data axis is the user's
+    a data axis (a DTensor input that is no parameter, ``InputOrigin.parameter``, counts as
+    such a value there: a block compiled on its own gets the previous block's activations,
+    split over the batch, as a DTensor input, and optimizer state is no parameter either): a data axis is the user's
     statement that samples are split there (DataParallelPlanner), and in DDP/FSDP only
     parameters, gradients and the loss cross it; otherwise, at small batch, gathering the
     token ids and repeating the step on every data-parallel rank moves fewer bytes than
@@ -653,8 +653,8 @@ class EdgePricer:
         weights = axis_weights(mesh)
         self.weights = weights if any(w != 1.0 for w in weights) else None
         self.params = parameter_views(gm, origins, _priced_axes(mesh, data_axes))
-        # DTensor inputs that are not nn.Parameters: priced as parameters off the data axes, as
-        # data on them
+        # DTensor inputs that are no parameters: priced as parameters off the data axes, as data
+        # on them
         self.not_params = set(parameter_views(
             gm, origins, (), parameters=False)) if data_axes else set()
         self.data_idx = _data_idx(mesh, data_axes)
@@ -718,7 +718,7 @@ def parameter_views(gm: fx.GraphModule, origins, priced_axes: tuple[int, ...],
     """Parameter inputs (DTensor primals of a floating or complex dtype: integer DTensors are
     token ids or labels, batch data on a data axis) and views/casts of them -> the mesh axes on
     which gathering them is priced as memory. ``parameters``: None takes every such DTensor
-    input, True only ``nn.Parameter``s, False only the others (``InputOrigin.parameter``)."""
+    input, True only parameters (``InputOrigin.parameter``), False only the others."""
     found = {n: priced_axes for n, o in zip(roles.primals(gm.graph), origins)
              if o.kind is roles.InputKind.DTENSOR and
              (parameters is None or o.parameter == parameters) and
