@@ -83,7 +83,7 @@ def test_a_wrong_cell_is_run_again_on_plain_inductor(monkeypatch, tmp_path):
     from dynamo_dist.testing.zoo import cell
     from dynamo_dist.testing.zoo.report import write_report
 
-    def wrong(zm, axes, rt, steps, row, tp_options):
+    def wrong(zm, axes, rt, steps, row, tp_options, per_block):
         row.update(status="WRONG", loss_rel=0.1, grad_rel=0.5)
 
     monkeypatch.setattr(cell, "_train", wrong)
@@ -93,7 +93,7 @@ def test_a_wrong_cell_is_run_again_on_plain_inductor(monkeypatch, tmp_path):
     assert row["torch"] == torch.__version__
     write_report([row], str(tmp_path / "r.md"))
     assert "**WRONG** 1e-01/5e-01 (plain Inductor: " in (tmp_path / "r.md").read_text()
-    monkeypatch.setattr(cell, "_train", lambda zm, axes, rt, steps, row, tp: row.update(
+    monkeypatch.setattr(cell, "_train", lambda zm, axes, rt, steps, row, tp, per_block: row.update(
         status="parity", loss_rel=0.0, grad_rel=0.0))
     assert "baseline" not in cell.run_cell(MODELS["convnet"], "dp=1", cell.Runtime(), steps=1)
 
@@ -120,7 +120,7 @@ def test_cells_run_side_by_side_keep_their_order(monkeypatch, tmp_path):
 
     from dynamo_dist.testing.zoo import __main__ as zoo
 
-    def run_one(model, mesh, runtime, steps, inductor, timeout):
+    def run_one(model, mesh, runtime, steps, inductor, timeout, per_block):
         time.sleep(0.2 if model == "gpt2" else 0.0)  # the first cell ends last
         return {"model": model, "family": MODELS[model].family, "mesh": mesh,
                 "runtime": runtime, "inductor": inductor, "status": "parity", "loss_rel": 0.0,
