@@ -641,11 +641,11 @@ class EdgePricer:
     memory), or x ``config.data_axis_activation_factor`` when any other value leaves a Shard on
     a data axis (a DTensor input that is no parameter, ``InputOrigin.parameter``, counts as
     such a value there: a block compiled on its own gets the previous block's activations,
-    split over the batch, as a DTensor input, and optimizer state is no parameter either): a data axis is the user's
-    statement that samples are split there (DataParallelPlanner), and in DDP/FSDP only
-    parameters, gradients and the loss cross it; otherwise, at small batch, gathering the
-    token ids and repeating the step on every data-parallel rank moves fewer bytes than
-    reducing gradients but is not data parallelism."""
+    split over the batch, as a DTensor input, and optimizer state is no parameter either): a
+    data axis is the user's statement that samples are split there (DataParallelPlanner), and
+    in DDP/FSDP only parameters, gradients and the loss cross it; otherwise, at small batch,
+    gathering the token ids and repeating the step on every data-parallel rank moves fewer
+    bytes than reducing gradients but is not data parallelism."""
 
     def __init__(self, gm: fx.GraphModule, mesh, origins, data_axes: Sequence[str],
                  greedy: bool = False, config: PlannerConfig = DEFAULT) -> None:
