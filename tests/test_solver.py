@@ -147,8 +147,9 @@ def test_a_dtensor_input_that_is_no_parameter_is_priced_as_data_on_a_data_axis(f
     split over the batch on the data axis. A softmax over the batch needs it whole there: a
     parameter input may be gathered at no extra price (FSDP gathers parameters on a data
     axis), so the planner gathers the input, the larger value; an input that is no
-    parameter (``InputOrigin.parameter``) is data, priced as any activation: the matmul runs on the batch split
-    and its smaller output is moved instead (an all_to_all to a split of the other dim)."""
+    parameter (``InputOrigin.parameter``) is data, priced as any activation: the matmul runs
+    on the batch split and its smaller output is moved instead (an all_to_all to a split of
+    the other dim)."""
     mesh = fake_mesh((2,), ("dp",))
     b, d, h = 8, 64, 16
     gm = _graph(lambda x, w: (torch.softmax(x @ w, 0),), (b, d), (d, h))
