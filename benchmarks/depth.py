@@ -120,8 +120,7 @@ def _child(args) -> dict:
     import dynamo_dist
     backend = "dist" if "dist" in torch._dynamo.list_backends() else dynamo_dist.dist_backend
     if args.variant == "perblock":  # each decoder layer compiled on its own (torchtitan's way)
-        for i, layer in enumerate(model.model.layers):
-            model.model.layers[i] = torch.compile(layer, backend=backend)
+        dynamo_dist.compile_blocks(model, backend=backend)
         compiled = model
     else:
         compiled = torch.compile(model, backend=backend)

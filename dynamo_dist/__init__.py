@@ -35,6 +35,8 @@ _EXPORTS = {
     "DataParallelPlanner": ".plans",
     "shard_module": ".plans",
     "explain": ".diagnose",
+    "compile_blocks": ".blocks",
+    "repeated_blocks": ".blocks",
     "backward_records": ".compiled_autograd",
 }
 

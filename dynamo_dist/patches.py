@@ -32,8 +32,13 @@ from .mesh import Mesh
 
 def install() -> None:
     """Apply every patch of this module (idempotent). Metadata folding and the process-group
-    guard also serve other backends (see their docstrings); the rest act for ``dist`` only."""
+    guard also serve other backends (see their docstrings), and eager DTensor convolutions
+    with split weights run (``eager_conv``: DTensor's own handler fails on them); the rest act
+    for ``dist`` only."""
     if torch.distributed.is_available():
+        from . import eager_conv
+
+        eager_conv.install()
         install_dead_mesh_lookup_removal()
         install_process_group_guard()
         install_sharding_cache_clear_on_destroy()
@@ -223,7 +228,7 @@ def install_dynamo_tracing_fallback() -> None:
     _strided_gather_while_tracing()
     # DTensor runs some ops through handlers of its own (convolution, as_strided, argmax...)
     # that bypass propagation: while tracing for dist they run on replicated values too.
-    handlers = _dtensor_dispatcher()._custom_op_handlers
+    handlers = compat.dtensor_custom_op_handlers()
     for op, handler in list(handlers.items()):
         handlers[op] = _replicating_handler(handler)
     state = {"substituted": False}
@@ -357,7 +362,7 @@ def _argminmax_negative_dim_fix() -> None:
     vocabulary-split logits) breaks ``_maybe_view_chunk_cat`` ("shape [1, 2, 2, 1] is invalid
     for input of size 2"). The handler gets the dim counted from the front. Eager DTensor is
     fixed too (the bug is the same there)."""
-    handlers = _dtensor_dispatcher()._custom_op_handlers
+    handlers = compat.dtensor_custom_op_handlers()
     for op in (torch.ops.aten.argmax.default, torch.ops.aten.argmin.default):
         handler = handlers.get(op)
         if handler is None or getattr(handler, "_dynamo_dist_dim_fix", False):

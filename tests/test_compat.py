@@ -30,14 +30,21 @@ def test_dynamo_and_dtensor_hooks_we_patch_exist():
     from torch._dynamo.callback import callback_handler
 
     assert isinstance(callback_handler.end_callbacks, list)
-    handlers = patches._dtensor_dispatcher()._custom_op_handlers
-    assert torch.ops.aten.convolution.default in handlers
+    from dynamo_dist import eager_conv
+
+    handlers = compat.dtensor_custom_op_handlers()
+    conv = torch.ops.aten.convolution.default
+    assert conv in handlers and torch.ops.aten.convolution_backward.default in handlers
     patches._clear_dtensor_sharding_caches()  # callable on this torch
     patches.install_dynamo_tracing_fallback()
-    wrapped = handlers[torch.ops.aten.convolution.default]
-    assert hasattr(wrapped, "_dynamo_dist_original")  # installed once, not stacked
-    patches.install_dynamo_tracing_fallback()
-    assert handlers[torch.ops.aten.convolution.default] is wrapped
+    eager_conv.install()
+    wrapped = handlers[conv]
+    chain = eager_conv.handler_chain(wrapped)
+    # the tracing fallback's wrapper and eager_conv's, in either order, over DTensor's own
+    assert len(chain) == 3 and chain[-1].__module__.endswith("_tp_conv"), chain
+    patches.install_dynamo_tracing_fallback()  # installed once, not stacked
+    eager_conv.install()
+    assert handlers[conv] is wrapped
 
 
 def test_dynamo_bookkeeping_read_by_explain():

@@ -169,8 +169,9 @@ def build(name: str, workload: Workload, mesh, device: torch.device,
         else:
             _shard_ours(model, workload, mesh)
             if ours_compile == "blocks":
-                for unit in workload.fsdp_units(model):
-                    unit.compile(backend="dist")
+                from dynamo_dist import compile_blocks
+
+                compile_blocks(model, workload.fsdp_units(model))
                 c.fn = model
             else:
                 c.fn = torch.compile(model, backend="dist")

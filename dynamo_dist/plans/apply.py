@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from .. import patches
+from .. import eager_conv, patches
 from inductor_passes.core import compat, mesh_facts
 from inductor_passes.core.errors import DistCompileError, describe_mesh
 from inductor_passes.core.placements import is_strided
@@ -134,6 +134,7 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
     check_input_keys(model, plan)
     compat.allow_implicit_replication(True)
     patches.install_dynamo_tracing_fallback()
+    eager_conv.install()  # parts of the model may run eagerly on the split parameters
     for param, names in parameter_groups(model):
         placements = _spec_for(plan, names, mesh, param.ndim) or \
             tuple(Replicate() for _ in range(mesh.ndim))

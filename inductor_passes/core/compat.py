@@ -67,6 +67,15 @@ def sharding_propagator():
     return DTensor._op_dispatcher.sharding_propagator
 
 
+def dtensor_custom_op_handlers() -> dict:
+    """DTensor's ops run by handlers of their own instead of sharding propagation
+    (convolution and its backward, as_strided, argmax, ...): op -> handler(op_call, args,
+    kwargs). Replacing an entry changes eager DTensor dispatch (2.11, 2.13)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
 def redistribute_planner_class() -> Any:
     """DTensor's redistribute planner class (``_redistribute.DTensorRedistributePlanner``, with
     ``generate_graph_based_transform_infos`` and ``generate_greedy_transform_infos``; 2.11,

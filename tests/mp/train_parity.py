@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from dynamo_dist.blocks import compile_blocks
 from dynamo_dist.testing.demo import parse_mesh
 from dynamo_dist.testing.models import ConvNet, LlamaSize, build_llama, image_batch, token_batch
 from dynamo_dist.plans import (DataParallelPlanner, ShardingPlan, TensorParallelPlanner,
@@ -119,9 +120,7 @@ def main() -> int:
                                         return_local_tensor=("logits",)))
     shard_module(model, mesh, plan)
     if args.per_block:
-        for i, layer in enumerate(model.model.layers):
-            model.model.layers[i] = torch.compile(
-                layer, backend="dist", options={"inductor": bool(args.inductor)})
+        compile_blocks(model, options={"inductor": bool(args.inductor)})
         compiled = model
     else:
         compiled = torch.compile(model, backend="dist",

@@ -37,7 +37,7 @@ FAST_MODELS = ("gpt2", "bert", "mixtral", "convnet")
 def run_one(model: str, mesh: str, runtime: str, steps: int, inductor: bool,
             timeout: float, per_block: bool = False) -> dict:
     """One cell in fresh process(es); a crash or hang becomes a result row. ``per_block``:
-    each repeated block compiled on its own (``cell.blocks_of``), the rest eager."""
+    each repeated block compiled on its own (``dynamo_dist.compile_blocks``), the rest eager."""
     world = math.prod(parse_mesh(mesh).values())
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dynamo_dist.backend import clear_compile_records, compile_records
+from dynamo_dist.blocks import compile_blocks, repeated_blocks
 from dynamo_dist.plans import (DataParallelPlanner, TensorParallelPlanner, parameter_groups,
                                shard_module)
 from dynamo_dist.plans.dataflow import example_inputs, trace_projections
@@ -190,29 +191,13 @@ def plan_model(model: torch.nn.Module, axes: dict[str, int], tp_options: dict | 
     return plan
 
 
-def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks: the entries of every ``nn.ModuleList`` of two or more that
-    is not inside another such block (decoder layers, not a MoE layer's experts)."""
-    found: list[torch.nn.Module] = []
-
-    def visit(module: torch.nn.Module) -> None:
-        for child in module.children():
-            if isinstance(child, torch.nn.ModuleList) and len(child) >= 2:
-                found.extend(child)
-            else:
-                visit(child)
-
-    visit(model)
-    return found
-
-
 def _without_eager_dropout(model: torch.nn.Module) -> None:
-    """Every ``nn.Dropout`` outside ``blocks_of(model)`` replaced by ``nn.Identity``. Run
+    """Every ``nn.Dropout`` outside ``repeated_blocks(model)`` replaced by ``nn.Identity``. Run
     eagerly on DTensors, dropout draws what DTensor's own RNG gives a CPU mesh (each rank its
     generator's numbers for its own piece), not what one device draws; a per-block cell
     compares what the compiled blocks and the hooks between them do, so the eager parts
     draw nothing (the compiled blocks' dropout still draws, as one device does)."""
-    inside = {id(m) for b in blocks_of(model) for m in b.modules()}
+    inside = {id(m) for b in repeated_blocks(model) for m in b.modules()}
     for name, mod in list(model.named_modules()):
         if isinstance(mod, torch.nn.Dropout) and id(mod) not in inside:
             parent, _, leaf = name.rpartition(".")
@@ -223,7 +208,7 @@ def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3,
              tp_options: dict | None = None, per_block: bool = False) -> dict:
     """Train ``zm`` on the mesh ``mesh_text`` for ``steps`` AdamW steps; the result row.
     ``tp_options``: knobs of the tensor-parallel planner (``plan_model``). ``per_block``:
-    compile each of ``blocks_of(model)`` on its own (torchtitan's way), the rest eager on
+    compile each of ``repeated_blocks(model)`` on its own (``compile_blocks``, torchtitan's way), the rest eager on
     DTensors; the row has no textbook comparison then (the eager parts' collectives are
     DTensor's, not in any ledger)."""
     axes = parse_mesh(mesh_text)
@@ -340,10 +325,8 @@ def _train(zm: ZooModel, axes: dict[str, int], rt: Runtime, steps: int, row: dic
     row["ties_kept"] = ties == sorted(tuple(sorted(n)) for _, n in parameter_groups(model)
                                       if len(n) > 1)
     if per_block:
-        blocks = blocks_of(model)
-        for block in blocks:
-            block.compile(backend="dist", options=rt.options())
-        row["blocks"], compiled = len(blocks), model
+        row["blocks"] = len(compile_blocks(model, options=rt.options()))
+        compiled = model
     else:
         compiled = torch.compile(model, backend="dist", options=rt.options())
     with rt.eager():
