@@ -32,6 +32,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from inductor_passes.core import compat
 
+from . import patches
+
 aten = torch.ops.aten
 _MARK = "_dynamo_dist_eager_conv"
 
@@ -62,7 +64,7 @@ def handler_chain(handler: Callable) -> list[Callable]:
 
 def _in_front_of(inner: Callable, ours: Callable) -> Callable:
     def run(op_call, args, kwargs):
-        if _dist_tracing() or not _ours_to_run(args):
+        if patches.dist_tracing() or not _ours_to_run(args):
             return inner(op_call, args, kwargs)
         return ours(*args, **kwargs)
 
@@ -72,17 +74,12 @@ def _in_front_of(inner: Callable, ours: Callable) -> Callable:
     return run
 
 
-def _dist_tracing() -> bool:
-    from torch.distributed._functional_collectives import _are_we_tracing
-
-    return _are_we_tracing() and compat.dist_backend_is_tracing()
-
-
 def _ours_to_run(args: tuple) -> bool:
     """Whether DTensor's handler would fail on this call: for the forward (input, weight,
     bias, ...) and the backward (grad_output, input, weight, ...) alike, a weight or bias that
-    is not replicated, or an input split other than over its batch or last dim, or over one
-    dim on two mesh axes (DTensor's dim map holds one axis per dim)."""
+    is not replicated, an input that is a plain tensor, or one split other than over its batch
+    or last dim, or over one dim on two mesh axes (DTensor's dim map holds one axis per
+    dim)."""
     forward = len(args) == 9
     x, w = (args[0], args[1]) if forward else (args[1], args[2])
     b = args[2] if forward else None
@@ -92,7 +89,7 @@ def _ours_to_run(args: tuple) -> bool:
            for t in (w, b)):
         return True
     if not isinstance(x, DTensor):
-        return False
+        return True  # a plain input: DTensor's backward handler asserts on it
     split = [p.dim for p in x.placements if isinstance(p, Shard)]
     return len(set(split)) < len(split) or not all(
         p.is_replicate() or (isinstance(p, Shard) and p.dim in (0, x.ndim - 1))

@@ -77,10 +77,10 @@ def install_plain_random_while_tracing() -> bool:
     supported = dispatch.is_rng_supported_mesh
 
     def is_rng_supported_mesh(mesh) -> bool:
-        return False if _dist_tracing() else supported(mesh)
+        return False if dist_tracing() else supported(mesh)
 
     def region_enabled(self) -> bool:
-        return False if _dist_tracing() else enabled.fget(self)
+        return False if dist_tracing() else enabled.fget(self)
 
     dispatch.is_rng_supported_mesh = is_rng_supported_mesh
     patched = property(region_enabled, enabled.fset, enabled.fdel, enabled.__doc__)
@@ -121,7 +121,7 @@ def install_strided_redistribute_fallback() -> bool:
     return True
 
 
-def _dist_tracing() -> bool:
+def dist_tracing() -> bool:
     """Dynamo is tracing (fake values, possibly a proxy) a frame for the ``dist`` backend."""
     from torch.distributed._functional_collectives import _are_we_tracing
 
@@ -163,7 +163,7 @@ def install_dynamo_tracing_fallback() -> None:
         return spec
 
     def propagate(op_schema):
-        if not _dist_tracing():
+        if not dist_tracing():
             return original(op_schema)
         # DTensor's rules test sizes (a view's divisibility by the mesh axis); on symbolic
         # sizes each test would become a Dynamo guard, and an odd batch would recompile, for
@@ -398,7 +398,7 @@ def _strided_gather_while_tracing() -> None:
     def to_replicate(self, local_tensor, mesh, mesh_dim, current_logical_shape):
         n, k, dim = mesh.size(mesh_dim), int(self.split_factor), self.dim
         size = current_logical_shape[dim]
-        if not _dist_tracing() or not isinstance(size, int) or size % (k * n):
+        if not dist_tracing() or not isinstance(size, int) or size % (k * n):
             return original(self, local_tensor, mesh, mesh_dim, current_logical_shape)
         out = funcol.all_gather_tensor(local_tensor.contiguous(), gather_dim=dim,
                                        group=(mesh, mesh_dim))  # (2.11 and 2.13)
@@ -544,7 +544,7 @@ def _replicating_handler(handler):
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.placement_types import Replicate
 
-        if not _dist_tracing():
+        if not dist_tracing():
             return handler(op_call, args, kwargs)
         meshes = [a.device_mesh for a in pytree.tree_leaves((args, kwargs))
                   if isinstance(a, DTensor)]

@@ -120,3 +120,20 @@ def test_compile_blocks_finds_the_layers_and_refuses_a_model_without_any():
     with pytest.raises(DistCompileError, match="no repeated blocks") as err:
         dynamo_dist.compile_blocks(one)
     assert "blocks=" in str(err.value)
+
+
+def test_a_plain_input_with_a_replicated_weight_runs_forward_and_backward(sim):
+    """ViT's pixels are a plain tensor (a global value) and a tensor-parallel plan may leave the
+    patch embedding replicated: DTensor's backward handler asserts on a plain input."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 2, stride=2, bias=False)
+    x = torch.randn(2, 3, 4, 4)
+    mode, meshes = sim
+    with mode:
+        mesh = meshes[(4,)]
+        w = torch.nn.Parameter(distribute_tensor(conv.weight.detach(), mesh, [Replicate()]))
+        out = torch.nn.functional.conv2d(x, w, stride=2)
+        out.square().sum().backward()
+        got = w.grad.full_tensor()
+    conv(x).square().sum().backward()
+    torch.testing.assert_close(_value(got), conv.weight.grad, rtol=1e-5, atol=1e-5)
