@@ -32,8 +32,6 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from inductor_passes.core import compat
 
-from . import patches
-
 aten = torch.ops.aten
 _MARK = "_dynamo_dist_eager_conv"
 
@@ -64,7 +62,7 @@ def handler_chain(handler: Callable) -> list[Callable]:
 
 def _in_front_of(inner: Callable, ours: Callable) -> Callable:
     def run(op_call, args, kwargs):
-        if patches.dist_tracing() or not _ours_to_run(args):
+        if compat.dist_tracing() or not _ours_to_run(args):
             return inner(op_call, args, kwargs)
         return ours(*args, **kwargs)
 

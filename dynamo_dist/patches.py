@@ -77,10 +77,10 @@ def install_plain_random_while_tracing() -> bool:
     supported = dispatch.is_rng_supported_mesh
 
     def is_rng_supported_mesh(mesh) -> bool:
-        return False if dist_tracing() else supported(mesh)
+        return False if compat.dist_tracing() else supported(mesh)
 
     def region_enabled(self) -> bool:
-        return False if dist_tracing() else enabled.fget(self)
+        return False if compat.dist_tracing() else enabled.fget(self)
 
     dispatch.is_rng_supported_mesh = is_rng_supported_mesh
     patched = property(region_enabled, enabled.fset, enabled.fdel, enabled.__doc__)
@@ -121,13 +121,6 @@ def install_strided_redistribute_fallback() -> bool:
     return True
 
 
-def dist_tracing() -> bool:
-    """Dynamo is tracing (fake values, possibly a proxy) a frame for the ``dist`` backend."""
-    from torch.distributed._functional_collectives import _are_we_tracing
-
-    return _are_we_tracing() and dist_backend_is_tracing()
-
-
 def install_dynamo_tracing_fallback() -> None:
     """Make DTensor's sharding propagation total while Dynamo traces for ``dist``.
 
@@ -163,7 +156,7 @@ def install_dynamo_tracing_fallback() -> None:
         return spec
 
     def propagate(op_schema):
-        if not dist_tracing():
+        if not compat.dist_tracing():
             return original(op_schema)
         # DTensor's rules test sizes (a view's divisibility by the mesh axis); on symbolic
         # sizes each test would become a Dynamo guard, and an odd batch would recompile, for
@@ -398,7 +391,7 @@ def _strided_gather_while_tracing() -> None:
     def to_replicate(self, local_tensor, mesh, mesh_dim, current_logical_shape):
         n, k, dim = mesh.size(mesh_dim), int(self.split_factor), self.dim
         size = current_logical_shape[dim]
-        if not dist_tracing() or not isinstance(size, int) or size % (k * n):
+        if not compat.dist_tracing() or not isinstance(size, int) or size % (k * n):
             return original(self, local_tensor, mesh, mesh_dim, current_logical_shape)
         out = funcol.all_gather_tensor(local_tensor.contiguous(), gather_dim=dim,
                                        group=(mesh, mesh_dim))  # (2.11 and 2.13)
@@ -544,7 +537,7 @@ def _replicating_handler(handler):
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.placement_types import Replicate
 
-        if not dist_tracing():
+        if not compat.dist_tracing():
             return handler(op_call, args, kwargs)
         meshes = [a.device_mesh for a in pytree.tree_leaves((args, kwargs))
                   if isinstance(a, DTensor)]

@@ -30,7 +30,7 @@ from inductor_passes.core.placements import fmt
 
 DIMS = st.sampled_from([2, 3, 4, 5, 6, 8])
 # 20 cases in the default tier (CI), 30 in the full one
-N_EXAMPLES = int(os.environ.get("DYNAMO_DIST_DYNAMIC_EXAMPLES", "30" if FULL else "20"))
+N_EXAMPLES = int(os.environ.get("DYNAMO_DIST_DYNAMIC_EXAMPLES", "30" if FULL else "16"))
 STATS = {"pass": 0, "refused": 0, "one_program": 0}
 
 

@@ -408,6 +408,13 @@ def implicit_replication_enabled() -> bool:
     return bool(DTensor._op_dispatcher._allow_implicit_replication)
 
 
+def dist_tracing() -> bool:
+    """Dynamo is tracing (fake values, possibly a proxy) a frame for the ``dist`` backend."""
+    from torch.distributed._functional_collectives import _are_we_tracing
+
+    return _are_we_tracing() and dist_backend_is_tracing()
+
+
 def dist_backend_is_tracing() -> bool:
     """True while Dynamo traces a frame for the ``dist`` backend (not for any other backend)."""
     from torch._dynamo import symbolic_convert
