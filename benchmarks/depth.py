@@ -13,7 +13,7 @@ and lowering copies repeated layers, ``inductor_passes.stamp``), ``inline``
 ``DYNAMO_DIST_STAMP=0``: every layer lowered node by node) and ``prefetched`` (outlined, and
 ``DYNAMO_DIST_PREFETCH=1``: each layer's gathers issued a layer early by the calling graph, not
 inside its shared body; off by default on CPU) and ``perblock`` (each decoder layer compiled on
-its own with ``torch.compile(layer, backend="dist")``, torchtitan's way: the embedding, final
+its own with ``dynamo_dist.compile_blocks``, torchtitan's way: the embedding, final
 norm and head run eagerly on DTensors, and Dynamo reuses one compiled block for every layer;
 its stages are summed over the graphs compiled, ``graphs``).
 

@@ -134,9 +134,10 @@ def _forward(x: torch.Tensor | DTensor, w: DTensor, b: DTensor | None, stride: l
     return _wrap(out, x, placements, torch.Size([x.shape[0], *out.shape[1:]]))
 
 
-def _backward(grad_out: torch.Tensor | DTensor, x: torch.Tensor | DTensor, w: DTensor, bias_sizes: list | None, stride: list,
-              padding: list, dilation: list, transposed: bool, output_padding: list,
-              groups: int, output_mask: list[bool]) -> tuple:
+def _backward(grad_out: torch.Tensor | DTensor, x: torch.Tensor | DTensor, w: DTensor,
+              bias_sizes: list | None, stride: list, padding: list, dilation: list,
+              transposed: bool, output_padding: list, groups: int,
+              output_mask: list[bool]) -> tuple:
     """``aten.convolution_backward`` matching ``_forward``: the input's gradient split over
     the batch as the forward ran it; the weight's and bias's (GLOBAL shapes) pending sums over
     the mesh axes that split the batch, replicated on the others."""

@@ -1,4 +1,4 @@
-"""Compiling a model's blocks one by one (torchtitan's way: ``torch.compile`` on each layer,
+"""Compiling a model's blocks one by one (torchtitan's way, ``dynamo_dist.compile_blocks``:
 the embedding, final norm and head run eagerly on DTensors) on a model ``shard_module`` sharded:
 the row-split embedding's eager output is settled before the first compiled block, every
 gradient lands in its parameter's placement, and the blocks train at parity with one

@@ -208,9 +208,10 @@ def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3,
              tp_options: dict | None = None, per_block: bool = False) -> dict:
     """Train ``zm`` on the mesh ``mesh_text`` for ``steps`` AdamW steps; the result row.
     ``tp_options``: knobs of the tensor-parallel planner (``plan_model``). ``per_block``:
-    compile each of ``repeated_blocks(model)`` on its own (``compile_blocks``, torchtitan's way), the rest eager on
-    DTensors; the row has no textbook comparison then (the eager parts' collectives are
-    DTensor's, not in any ledger)."""
+    compile each of ``repeated_blocks(model)`` on its own (``compile_blocks``, torchtitan's
+    way), the rest eager on DTensors; the row has no textbook comparison then (the eager
+    parts' collectives are DTensor's, not in any ledger), and a model without repeated blocks
+    is an error row."""
     axes = parse_mesh(mesh_text)
     row: dict[str, Any] = {"model": zm.name, "family": zm.family, "mesh": mesh_text,
                            "runtime": rt.name, "inductor": rt.inductor, "status": "crash",
