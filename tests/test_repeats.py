@@ -222,10 +222,11 @@ def test_the_descent_solves_an_axis_again_only_after_another_axis_moved(fake_mes
                                                min_size=9, max_size=9))
 def test_the_lp_relaxation_reaches_the_mips_optimum(fake_mesh, layers, pins, monkeypatch):
     """Every ILP is solved as its LP relaxation first (``solver._solve``) and that answer taken
-    when its choice variables are 0/1. Where the whole program is one ILP (a small stack on a
-    2-D mesh: the joint N-D ILP), the plan then costs what the MIP alone reaches (the MIP forced
-    by a tolerance no relaxed value meets). (Between per-axis ILPs the two may break ties
-    differently, and the descent then ends elsewhere: not compared.)"""
+    when its choice variables are 0/1 (else the MIP runs). Where the whole program is one ILP
+    (a small stack on a 2-D mesh: the joint N-D ILP), the plan then costs what the MIP alone
+    reaches (the MIP forced by a tolerance no relaxed value meets). (Between per-axis ILPs the
+    two may break ties differently, and the descent then ends elsewhere: not compared.) That
+    an integral relaxation is taken in one solve: tests/test_solver.py."""
     import scipy.optimize
 
     from inductor_passes.sharding import solver
@@ -235,10 +236,14 @@ def test_the_lp_relaxation_reaches_the_mips_optimum(fake_mesh, layers, pins, mon
     pls = [a + b for a, b in pins[:1 + 2 * layers]]
     calls = []
     milp = scipy.optimize.milp
-    with monkeypatch.context() as m:  # the relaxation's answer taken: one solve, not two
+    with monkeypatch.context() as m:
         m.setattr(scipy.optimize, "milp", lambda *a, **k: calls.append(1) or milp(*a, **k))
         relaxed = _plan(gm, mesh, pls, PlannerConfig())
-    assert [s.stage for s in relaxed.stages if s.solved][1:] == ["joint N-D ILP"] and calls == [1]
+    # the relaxation's answer is taken when integral (one solve); a relaxation with a
+    # fractional optimum is possible where options tie (CI drew all-Replicate pins on 4
+    # layers once, 2026-11-28): then the MIP runs after it (two solves), never more
+    assert [s.stage for s in relaxed.stages if s.solved][1:] == ["joint N-D ILP"]
+    assert calls in ([1], [1, 1]), calls
     with monkeypatch.context() as m:
         m.setattr(solver, "_INTEGRAL_TOL", -1.0)
         mip = _plan(gm, mesh, pls, PlannerConfig())
