@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from inductor_passes.core import compat
+from inductor_passes.layout import contiguous_strides
 
 aten = torch.ops.aten
 _MARK = "_dynamo_dist_eager_conv"
@@ -62,7 +63,7 @@ def handler_chain(handler: Callable) -> list[Callable]:
 
 def _in_front_of(inner: Callable, ours: Callable) -> Callable:
     def run(op_call, args, kwargs):
-        if compat.dist_tracing() or not _ours_to_run(args):
+        if compat.dist_tracing() or not _ours_to_run(op_call, args):
             return inner(op_call, args, kwargs)
         return ours(*args, **kwargs)
 
@@ -72,13 +73,13 @@ def _in_front_of(inner: Callable, ours: Callable) -> Callable:
     return run
 
 
-def _ours_to_run(args: tuple) -> bool:
+def _ours_to_run(op_call, args: tuple) -> bool:
     """Whether DTensor's handler would fail on this call: for the forward (input, weight,
     bias, ...) and the backward (grad_output, input, weight, ...) alike, a weight or bias that
     is not replicated, an input that is a plain tensor, or one split other than over its batch
     or last dim, or over one dim on two mesh axes (DTensor's dim map holds one axis per
     dim)."""
-    forward = len(args) == 9
+    forward = op_call is aten.convolution.default
     x, w = (args[0], args[1]) if forward else (args[1], args[2])
     b = args[2] if forward else None
     if not isinstance(w, DTensor):
@@ -103,12 +104,15 @@ def _as_dtensor(t: torch.Tensor | DTensor, like: DTensor) -> DTensor:
     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def _batch_split(x: DTensor) -> tuple[Placement, ...]:
-    """The placements the convolution runs on: split over the batch where ``x`` is, whole
-    elsewhere (a channel or spatial split gathered, a pending sum reduced: a bias must be
-    added once)."""
-    return tuple(p if isinstance(p, Shard) and p.dim == 0 else Replicate()
-                 for p in x.placements)
+def _batch_split(x: torch.Tensor | DTensor, w: DTensor
+                 ) -> tuple[DTensor, tuple[Placement, ...], torch.Tensor]:
+    """(``x`` as a DTensor, the placements the convolution runs on, ``x``'s local tensor in
+    them): split over the batch where ``x`` is, whole elsewhere (a channel or spatial split
+    gathered, a pending sum reduced: a bias must be added once)."""
+    x = _as_dtensor(x, w)
+    placements = tuple(p if isinstance(p, Shard) and p.dim == 0 else Replicate()
+                       for p in x.placements)
+    return x, placements, x.redistribute(x.device_mesh, placements).to_local()
 
 
 def _whole(t: DTensor) -> torch.Tensor:
@@ -119,16 +123,15 @@ def _whole(t: DTensor) -> torch.Tensor:
 def _wrap(local: torch.Tensor, like: DTensor, placements: tuple[Placement, ...],
           shape: torch.Size) -> DTensor:
     return DTensor.from_local(local, like.device_mesh, placements, run_check=False,
-                              shape=shape, stride=torch.empty(shape, device="meta").stride())
+                              shape=shape, stride=contiguous_strides(shape))
 
 
-def _forward(x: torch.Tensor | DTensor, w: DTensor, b: DTensor | None, stride: list, padding: list,
-             dilation: list, transposed: bool, output_padding: list, groups: int) -> DTensor:
+def _forward(x: torch.Tensor | DTensor, w: DTensor, b: DTensor | None, stride: list,
+             padding: list, dilation: list, transposed: bool, output_padding: list,
+             groups: int) -> DTensor:
     """``aten.convolution`` on DTensors, each rank on its piece of the batch: output (GLOBAL
     shape [N, C_out, *spatial]) split over the batch where the input is."""
-    x = _as_dtensor(x, w)
-    placements = _batch_split(x)
-    x_local = x.redistribute(x.device_mesh, placements).to_local()
+    x, placements, x_local = _batch_split(x, w)
     out = aten.convolution(x_local, _whole(w), None if b is None else _whole(b), stride, padding,
                            dilation, transposed, output_padding, groups)
     return _wrap(out, x, placements, torch.Size([x.shape[0], *out.shape[1:]]))
@@ -141,11 +144,8 @@ def _backward(grad_out: torch.Tensor | DTensor, x: torch.Tensor | DTensor, w: DT
     """``aten.convolution_backward`` matching ``_forward``: the input's gradient split over
     the batch as the forward ran it; the weight's and bias's (GLOBAL shapes) pending sums over
     the mesh axes that split the batch, replicated on the others."""
-    x = _as_dtensor(x, w)
-    placements = _batch_split(x)
-    mesh = x.device_mesh
-    x_local = x.redistribute(mesh, placements).to_local()
-    g_local = _as_dtensor(grad_out, w).redistribute(mesh, placements).to_local()
+    x, placements, x_local = _batch_split(x, w)
+    g_local = _as_dtensor(grad_out, w).redistribute(x.device_mesh, placements).to_local()
     gx, gw, gb = aten.convolution_backward(g_local, x_local, _whole(w), bias_sizes, stride,
                                            padding, dilation, transposed, output_padding, groups,
                                            output_mask)
