@@ -48,6 +48,7 @@ import torch.fx as fx
 
 from ..core import roles
 from ..core.annotation_ops import CONSTRAINT_OP
+from ..core.fresh_stack import on_fresh_stack
 from ..core.placements import Placements, is_placements, replicate, returnable, strided_factors
 from .config import DEFAULT, PlannerConfig
 from .cost import held_bytes, saved_values
@@ -327,11 +328,18 @@ class ShardingILP:
 
     # -- the program -----------------------------------------------------------------------------
     def solve(self, time_limit: float = 60.0) -> Solution | None:
+        """The optimum (``Solution``), or None: too large, not solved to optimality in
+        ``time_limit`` seconds, or (with a budget) infeasible. Built and solved on a fresh
+        thread's frame stack (``core.fresh_stack``): called deep inside ``torch.compile``, the
+        build's comprehensions could land on a frame-chunk boundary and run 10x slower."""
+        if self.too_large:
+            return None
+        return on_fresh_stack(self._build_and_solve, time_limit)
+
+    def _build_and_solve(self, time_limit: float) -> Solution | None:
         from scipy.optimize import LinearConstraint
         from scipy.sparse import coo_matrix
 
-        if self.too_large:
-            return None
         t0 = time.perf_counter()
         own = self.owner
         nodes = [n for n in self.gm.graph.nodes if n in self.options]
