@@ -12,11 +12,14 @@ hooks that make that work under any plan (``plans/apply.py``, ``eager_conv``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch.nn as nn
 
 from inductor_passes.core.errors import DistCompileError
+
+log = logging.getLogger("dynamo_dist")
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -51,6 +54,11 @@ def compile_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None, 
     entries: a one-layer model, or layers held otherwise), since compiling nothing would
     silently run the whole model eagerly; pass ``blocks=`` explicitly, or compile the model
     whole.
+
+    Logs a warning for a model in training mode whose ``config.use_cache`` is on (transformers'
+    default): the model hands its KV cache to every layer, Dynamo guards on that layer's own
+    cache state, and the block is compiled once per layer (past Dynamo's recompile limit the
+    rest run uncompiled). The fix is ``model.config.use_cache = False`` for training.
     """
     chosen = list(repeated_blocks(model) if blocks is None else blocks)
     if not chosen:
@@ -59,6 +67,13 @@ def compile_blocks(model: nn.Module, blocks: Sequence[nn.Module] | None = None, 
             f"of two or more entries), so nothing would be compiled",
             fix="pass the blocks to compile (compile_blocks(model, blocks=[...])), or compile "
                 "the whole model: torch.compile(model, backend='dist')")
+    if model.training and getattr(getattr(model, "config", None), "use_cache", False):
+        log.warning(
+            "compile_blocks: %s.config.use_cache is True, so each layer gets the KV cache and "
+            "Dynamo compiles the block once per layer (%d layers; past "
+            "torch._dynamo.config.recompile_limit the rest run uncompiled). For training set "
+            "model.config.use_cache = False (or call the model with use_cache=False).",
+            type(model).__name__, len(chosen))
     for block in chosen:
         block.compile(backend=backend, options=options, **compile_kwargs)
     return chosen

@@ -1,6 +1,8 @@
 """Eager DTensor convolutions with split weights (``dynamo_dist.eager_conv``) and
 ``compile_blocks``: what runs between compiled blocks computes what one device computes."""
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -120,6 +122,25 @@ def test_compile_blocks_finds_the_layers_and_refuses_a_model_without_any():
     with pytest.raises(DistCompileError, match="no repeated blocks") as err:
         dynamo_dist.compile_blocks(one)
     assert "blocks=" in str(err.value)
+
+
+def test_compile_blocks_warns_of_a_kv_cache_in_training(caplog):
+    """transformers' default ``use_cache=True`` compiles the block once per layer in training:
+    warned, with the fix; not in eval mode (generation wants the cache) nor with the cache off."""
+    from dynamo_dist.testing.models import LlamaSize, build_llama
+
+    model = build_llama(LlamaSize(layers=2))
+    model.config.use_cache = True
+    with caplog.at_level(logging.WARNING, logger="dynamo_dist"):
+        dynamo_dist.compile_blocks(model)
+    warned = [r.getMessage() for r in caplog.records if "use_cache" in r.getMessage()]
+    assert len(warned) == 1 and "LlamaForCausalLM" in warned[0] and "use_cache = False" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dynamo_dist"):
+        dynamo_dist.compile_blocks(model.eval())
+        model.train().config.use_cache = False
+        dynamo_dist.compile_blocks(model)
+    assert not [r for r in caplog.records if "use_cache" in r.getMessage()]
 
 
 def test_a_plain_input_with_a_replicated_weight_runs_forward_and_backward(sim):
