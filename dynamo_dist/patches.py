@@ -26,6 +26,7 @@ from inductor_passes.core.compat import (STATIC_FIX, DTensorSpec, OpSchema, Outp
                                          dist_backend_is_tracing, has_symbolic_shape, log,
                                          sharding_propagator)
 from inductor_passes.core.errors import DistCompileError
+from inductor_passes.layout import contiguous_strides
 
 from .mesh import Mesh
 
@@ -148,7 +149,7 @@ def install_dynamo_tracing_fallback() -> None:
             if meta is not None and not all(p.is_replicate() for p in spec.placements):
                 # gathered, the local tensor is contiguous whatever the global strides were;
                 # the op's output metadata must come from the layout it really runs on
-                meta = TensorMeta(meta.shape, _contiguous_strides(meta.shape), meta.dtype)
+                meta = TensorMeta(meta.shape, contiguous_strides(meta.shape), meta.dtype)
             return DTensorSpec(spec.mesh, tuple(Replicate() for _ in spec.placements),
                                tensor_meta=meta)
         if isinstance(spec, (list, tuple)):
@@ -254,14 +255,6 @@ def _guards_suppressed() -> contextlib.AbstractContextManager:
     ctx = TracingContext.try_get()
     env = getattr(getattr(ctx, "fake_mode", None), "shape_env", None)
     return env.suppress_guards() if env is not None else contextlib.nullcontext()
-
-
-def _contiguous_strides(shape) -> tuple:
-    strides, acc = [], 1
-    for size in reversed(tuple(shape)):
-        strides.append(acc)
-        acc *= max(int(size), 1)
-    return tuple(reversed(strides))
 
 
 def _has_own_strategy(prop, op) -> bool:
