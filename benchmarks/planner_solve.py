@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import math
 import os
 import statistics
@@ -168,13 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if len(args.variants) < 2:
         ap.error("--variants needs at least two variants to compare")
+    from benchmarks.bench.report import write_json_and_markdown
+
     result = _run(args)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    md = os.path.splitext(args.out)[0] + ".md"
-    with open(md, "w") as f:
-        f.write(_markdown(result))
-    print(_markdown(result))
+    write_json_and_markdown(args.out, result, _markdown(result))
     return 0
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import logging
 import os
 import statistics
@@ -177,13 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="caller depths of the ILP-build sweep (0: skip it)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "stack_depth.json"))
     args = ap.parse_args(argv)
+    from benchmarks.bench.report import write_json_and_markdown
+
     result = _run(args)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    md = os.path.splitext(args.out)[0] + ".md"
-    with open(md, "w") as f:
-        f.write(_markdown(result))
-    print(_markdown(result))
+    write_json_and_markdown(args.out, result, _markdown(result))
     return 0
 
 

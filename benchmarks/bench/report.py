@@ -14,6 +14,19 @@ TARGETS = [
 MIB = 1024 * 1024
 
 
+def write_json_and_markdown(out: str, result: dict, markdown: str) -> None:
+    """A one-process benchmark's outputs: ``result`` as JSON at ``out``, ``markdown`` beside it
+    (same name, ``.md``) and on stdout."""
+    import json
+    import os
+
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(markdown)
+    print(markdown)
+
+
 def _ok(entry: dict | None) -> bool:
     return bool(entry) and entry.get("status") == "ok"
 
