@@ -60,8 +60,6 @@ def _direct(fn, *args, **kwargs):
 def _block_ilp():
     """The joint N-D ShardingILP of one decoder layer (the largest ILP built while compiling a
     2-layer Llama's blocks one by one); its ``solve`` then only builds (HiGHS stubbed)."""
-    import torch
-
     import dynamo_dist
     from dynamo_dist.plans import shard_module
     from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
