@@ -13,8 +13,9 @@ from conftest import torchrun
 @pytest.mark.parametrize("model,inductor,extra", [pytest.param("mlp", "1", (),
                                                                marks=pytest.mark.full),
                                                   ("mlp", "1", ("--hidden", "127")),
-                                                  ("llama", "0", ("--local-logits",)),
-                                                  ("llama", "0", ("--use-cache",)),
+                                                  # one run checks both: they are independent
+                                                  ("llama", "0", ("--local-logits",
+                                                                  "--use-cache")),
                                                   ("llama", "1", ("--layers", "4",
                                                                   "--nested-regions")),
                                                   pytest.param("llama", "1",
