@@ -2,6 +2,8 @@
 with transformers' own tensor-parallel plans where a model ships one), a reason for every
 replicated parameter, tied parameters kept tied, and plan keys that match nothing refused."""
 
+import inspect
+
 import pytest
 import torch
 import torch.nn as nn
@@ -149,6 +151,40 @@ def test_input_key_a_kwargs_forward_never_receives_is_logged(fake_mesh, caplog):
         model(torch.ones(2, 2, dtype=torch.long))
         model(torch.ones(2, 2, dtype=torch.long))
     assert sum("input_id" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_deep_copy_of_a_sharded_model_runs_its_own_weights(mesh_of_one):
+    """``shard_module`` wraps the forward of a model with an input or output plan (and of an
+    embedding split by rows on two axes). The wrapper was a closure over the model, so
+    ``copy.deepcopy(model)`` (an EMA or teacher copy) ran the ORIGINAL model's forward: its
+    outputs came from the original's weights, silently (seen on 2 gloo ranks). The copy must
+    compute with its own weights, and the original with its own, through the same plans."""
+    import copy
+
+    mesh = mesh_of_one(("dp", "tp"))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.proj = nn.Embedding(8, 4), nn.Linear(4, 4)
+
+        def forward(self, ids):
+            return self.proj(self.embed(ids))
+
+    torch.manual_seed(0)
+    model, ids = Net(), torch.tensor([[1, 2], [3, 4]])
+    want = model(ids).detach()
+    plan = ShardingPlan(plan={"embed.weight": {"dp": Shard(0), "tp": Shard(0)}},
+                        input_plan={"*": {"dp": Shard(0)}}, output_plan={0: {"dp": Shard(0)}})
+    shard_module(model, mesh, plan)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    assert list(inspect.signature(twin.forward).parameters) == ["ids"]  # transformers reads it
+    assert twin(ids).full_tensor().abs().max().item() == 0.0
+    torch.testing.assert_close(model(ids).full_tensor(), want)
+    assert twin.embed.forward.__self__ is twin.embed and twin.forward.__self__ is twin
 
 
 @pytest.mark.parametrize("name,aliases", [

@@ -8,6 +8,7 @@ import fnmatch
 import functools
 import inspect
 import logging
+import types
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -117,9 +118,12 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
     Buffers stay plain tensors (global values). Inputs named in ``plan.input_plan`` get a
     sharding constraint each call. An ``nn.Embedding`` whose weight is split by rows (the
     vocabulary) gets a forward hook that settles its output when it runs eagerly (see
-    ``_settle_pending_output``), and every sharded parameter a post-accumulate-grad hook that
-    puts a gradient computed eagerly in the parameter's placement
-    (``_gradient_in_parameter_placement``), so the model's blocks can be compiled one by one.
+    ``_settle_pending_output``; split on two or more mesh axes, also a forward that looks up
+    on one split when run eagerly: ``_one_row_split_forward``), and every sharded parameter a
+    post-accumulate-grad hook that puts a gradient computed eagerly in the parameter's
+    placement (``_gradient_in_parameter_placement``), so the model's blocks can be compiled
+    one by one. Forwards it wraps stay methods of their module (``copy.deepcopy`` of the model
+    gives a copy that runs its own weights).
 
     Raises TypeError when ``model`` is not an nn.Module; DistCompileError for a placement that
     cannot apply (Partial included), a plan entry that matches no
@@ -178,6 +182,8 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
                 and any(isinstance(p, Shard) and p.dim == 0 for p in weight.placements) \
                 and not getattr(module, _HOOKED, False):
             module.register_forward_hook(functools.partial(_settle_pending_output, mesh=mesh))
+            if len(_row_split_axes(weight)) > 1:
+                module.forward = types.MethodType(_one_row_split_forward, module)
             setattr(module, _HOOKED, True)
     model._dynamo_dist_plan = plan  # read by tools (explain); not used by the compiler
     return model
@@ -216,6 +222,32 @@ def _settle_pending_output(module: nn.Module, args: Any, out: Any, *, mesh: Devi
     # ``from_local``'s backward reduces it to ``target`` first.
     return DTensor.from_local(settled.to_local(), settled.device_mesh, target, run_check=False,
                               shape=settled.shape, stride=settled.stride())
+
+
+def _row_split_axes(weight: DTensor) -> list[int]:
+    """The mesh axes that split ``weight``'s dim 0 (an embedding's vocabulary rows)."""
+    return [a for a, p in enumerate(weight.placements) if isinstance(p, Shard) and p.dim == 0]
+
+
+def _one_row_split_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
+    """The forward ``shard_module`` binds to an embedding whose rows are split on two or more
+    mesh axes (FSDP on dp and a vocabulary-parallel split on tp: ``[Shard(0), Shard(0)]``).
+    Eagerly, DTensor (torch 2.13) labels such a lookup with one ``_MaskPartial`` per axis
+    sharing one mask buffer, and fails ("MaskBuffer has been materialized with conflicting
+    data"). So run eagerly, the lookup reads the weight gathered on every such axis but the
+    innermost (what FSDP gathers): one vocabulary split, one pending sum, which
+    ``_settle_pending_output`` then takes. The gather's backward puts the gradient back in
+    the weight's placement. Inside a compiled program (and with ``max_norm``, which
+    renormalises the weight in place) it is the class's own forward. A bound method, not a
+    closure: ``copy.deepcopy`` of the module rebinds it to the copy."""
+    w = self.weight
+    axes = _row_split_axes(w) if isinstance(w, DTensor) else []
+    if torch.compiler.is_compiling() or len(axes) < 2 or self.max_norm is not None:
+        return type(self).forward(self, input)
+    target = [Replicate() if a in axes[:-1] else p for a, p in enumerate(w.placements)]
+    return torch.nn.functional.embedding(
+        input, w.redistribute(w.device_mesh, target), self.padding_idx, None, self.norm_type,
+        self.scale_grad_by_freq, self.sparse)
 
 
 def _gradient_in_parameter_placement(param: DTensor) -> None:
@@ -258,11 +290,18 @@ def _strided_parameter(value: torch.Tensor, mesh: DeviceMesh, placements: tuple)
 def _constrained_forward(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan):
     """``model.forward`` wrapped so that each call pins the inputs ``plan.input_plan`` names (a
     wrapper, not forward hooks: with hooks Dynamo compiles the hook and the forward as separate
-    graphs) and applies ``plan.output_plan``."""
-    specs, inner = dict(plan.input_plan), model.forward
+    graphs) and applies ``plan.output_plan``. Returned as a method bound to ``model`` whose
+    function holds no reference to it, so ``copy.deepcopy(model)`` rebinds it to the copy (a
+    closure over ``model`` made the copy run the original's forward: its outputs from the
+    original's weights, silently)."""
+    bound = model.forward
+    func = bound.__func__ if getattr(bound, "__self__", None) is model else None
+    if func is None:  # a forward the user set on the instance: wrapped as it is
+        func = lambda self, *args, **kwargs: bound(*args, **kwargs)  # noqa: E731
+    specs = dict(plan.input_plan)
     wildcard = specs.pop("*", None)
     try:
-        arg_names = list(inspect.signature(inner).parameters)
+        arg_names = list(inspect.signature(bound).parameters)
     except (TypeError, ValueError):
         arg_names = []
 
@@ -280,22 +319,22 @@ def _constrained_forward(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan)
     named = {k for k in specs if isinstance(k, str)}
     warned: set[str] = set()
 
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
+    @functools.wraps(func)
+    def forward(self, *args, **kwargs):
         unseen = named - set(kwargs) - set(arg_names[:len(args)]) - warned
         if unseen:  # forward(**kwargs) takes any name: a typo shows only here
             warned.update(unseen)
             log.warning("dynamo_dist: input_plan names %s, which this call of %s does not pass "
                         "(it passed %s); those entries apply to nothing here", sorted(unseen),
-                        type(model).__name__, sorted(set(kwargs) | set(arg_names[:len(args)])))
+                        type(self).__name__, sorted(set(kwargs) | set(arg_names[:len(args)])))
         first = next((a for a in (*args, *kwargs.values())
                       if isinstance(a, torch.Tensor) and a.ndim), None)
         batch = first.shape[0] if first is not None else None
         args = tuple(constrain((i, *arg_names[i:i + 1]), a, batch) for i, a in enumerate(args))
         kwargs = {k: constrain((k,), a, batch) for k, a in kwargs.items()}
-        return _apply_output_plan(inner(*args, **kwargs), mesh, plan)
+        return _apply_output_plan(func(self, *args, **kwargs), mesh, plan)
 
-    return forward
+    return types.MethodType(forward, model)
 
 
 def _apply_output_plan(out: Any, mesh: DeviceMesh, plan: ShardingPlan) -> Any:
