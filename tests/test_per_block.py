@@ -22,6 +22,25 @@ from dynamo_dist.testing.models import LlamaSize, token_batch
 from dynamo_dist.testing.zoo.cell import SimRuntime, global_value
 
 
+def _step_at_parity(rt, model, ref, step: int, loss_of) -> None:
+    """One step of ``model`` (on the simulated ranks of ``rt``) and ``ref`` (one process),
+    ``loss_of(m)`` the loss: the loss within 1e-5 and every gradient within 1e-4 of one
+    process's and in its parameter's placement (the eager embedding, norm and head too:
+    DTensor made a whole or pending-sum gradient, shard_module's hook moved it)."""
+    with rt.eager():
+        loss = loss_of(model)
+        loss.backward()
+    ref_loss = loss_of(ref)
+    ref_loss.backward()
+    assert abs(global_value(loss, rt).item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert tuple(p.grad.placements) == tuple(p.placements), name
+        torch.testing.assert_close(global_value(p.grad, rt), q.grad, rtol=1e-4, atol=1e-6,
+                                   msg=f"step {step} {name}")
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+
+
 def test_blocks_compiled_one_by_one_train_at_parity():
     """FSDP on dp=2 (the 4-rank dp=2 x tp=2 run under Inductor is in the full tier,
     tests/test_multiprocess.py; the hook's dp x tp output is checked below)."""
@@ -30,20 +49,7 @@ def test_blocks_compiled_one_by_one_train_at_parity():
     assert len(dynamo_dist.compile_blocks(model, options={"simulate": True})) == size.layers
     for step in range(2):
         ids = token_batch(size, step)
-        with rt.eager():
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-        ref_loss = ref(input_ids=ids, labels=ids).loss
-        ref_loss.backward()
-        assert abs(global_value(loss, rt).item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            # the eager embedding, norm and head too: DTensor made a whole or pending-sum
-            # gradient, shard_module's hook moved it
-            assert tuple(p.grad.placements) == tuple(p.placements), name
-            torch.testing.assert_close(global_value(p.grad, rt), q.grad, rtol=1e-4, atol=1e-6,
-                                       msg=f"step {step} {name}")
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+        _step_at_parity(rt, model, ref, step, lambda m: m(input_ids=ids, labels=ids).loss)
     # one compiled block serves every layer, the first included (the embedding's output and a
     # block's output meet the same guards), so the compile count does not grow with depth
     records = dynamo_dist.compile_records()
@@ -142,18 +148,7 @@ def _tiny_lm_steps_at_parity(plan: ShardingPlan, layers: int, compile_blocks: bo
     for step in range(2):
         g = torch.Generator().manual_seed(step)
         ids, labels = (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2))
-        with rt.eager():
-            loss = model(ids, labels)
-            loss.backward()
-        ref_loss = ref(ids, labels)
-        ref_loss.backward()
-        assert abs(global_value(loss, rt).item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert tuple(p.grad.placements) == tuple(p.placements), name
-            torch.testing.assert_close(global_value(p.grad, rt), q.grad, rtol=1e-4, atol=1e-6,
-                                       msg=f"step {step} {name}")
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
+        _step_at_parity(rt, model, ref, step, lambda m: m(ids, labels))
 
 
 # 4 cases in the default tier (CI time), 25 in the full one
