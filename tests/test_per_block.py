@@ -7,6 +7,7 @@ process."""
 import copy
 import os
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -98,10 +99,17 @@ class _Block(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
+class _ScaledEmbedding(nn.Embedding):
+    """A lookup times a constant (Gemma's ``GemmaScaledWordEmbedding``)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * 3.0
+
+
 class _TinyLM(nn.Module):
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, embedding: type = nn.Embedding) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.embed = embedding(VOCAB, HIDDEN)
         self.layers = nn.ModuleList(_Block() for _ in range(layers))
         self.norm, self.head = nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
 
@@ -130,14 +138,15 @@ def _plans(draw):
                         data_axes=("dp",))
 
 
-def _tiny_lm_steps_at_parity(plan: ShardingPlan, layers: int, compile_blocks: bool) -> None:
+def _tiny_lm_steps_at_parity(plan: ShardingPlan, layers: int, compile_blocks: bool,
+                             embedding: type = nn.Embedding) -> None:
     """Two steps of the tiny LM sharded by ``plan`` on simulated dp=2 x tp=2 ranks against one
     process: the loss within 1e-5, every gradient within 1e-4 and in its parameter's
     placement."""
     rt = SimRuntime()
     mesh = rt.setup({"dp": 2, "tp": 2})
     torch.manual_seed(0)
-    ref = _TinyLM(layers)
+    ref = _TinyLM(layers, embedding)
     model = copy.deepcopy(ref)
     with rt.eager():
         shard_module(model, mesh, plan)
@@ -167,12 +176,14 @@ def test_random_placements_train_block_by_block_at_parity(plan):
     assert 1 <= len(dynamo_dist.compile_records()) - before <= 3
 
 
-def test_an_embedding_split_by_rows_on_two_axes_runs_eagerly():
+@pytest.mark.parametrize("embedding", [nn.Embedding, _ScaledEmbedding])
+def test_an_embedding_split_by_rows_on_two_axes_runs_eagerly(embedding):
     """FSDP on dp over a vocabulary-parallel split on tp: the embedding's rows split on both
     axes (``[Shard(0), Shard(0)]``). DTensor's eager lookup failed there ("MaskBuffer has been
     materialized with conflicting data", one mask buffer for two pending sums);
     ``shard_module`` gives such an embedding a forward that gathers all but the innermost
-    split, eagerly. The whole model eager (nothing compiled), at parity."""
+    split, eagerly, through the class's own forward (a subclass's scale kept). The whole
+    model eager (nothing compiled), at parity."""
     plan = ShardingPlan(plan={"embed.weight": {"dp": Shard(0), "tp": Shard(0)}},
                         input_plan={"*": {"dp": Shard(0)}}, data_axes=("dp",))
-    _tiny_lm_steps_at_parity(plan, layers=2, compile_blocks=False)
+    _tiny_lm_steps_at_parity(plan, layers=2, compile_blocks=False, embedding=embedding)

@@ -182,7 +182,7 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
                 and any(isinstance(p, Shard) and p.dim == 0 for p in weight.placements) \
                 and not getattr(module, _HOOKED, False):
             module.register_forward_hook(functools.partial(_settle_pending_output, mesh=mesh))
-            if len(_row_split_axes(weight)) > 1:
+            if len(_row_split_axes(weight)) > 1 and "forward" not in vars(module):
                 module.forward = types.MethodType(_one_row_split_forward, module)
             setattr(module, _HOOKED, True)
     model._dynamo_dist_plan = plan  # read by tools (explain); not used by the compiler
@@ -234,20 +234,23 @@ def _one_row_split_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Ten
     mesh axes (FSDP on dp and a vocabulary-parallel split on tp: ``[Shard(0), Shard(0)]``).
     Eagerly, DTensor (torch 2.13) labels such a lookup with one ``_MaskPartial`` per axis
     sharing one mask buffer, and fails ("MaskBuffer has been materialized with conflicting
-    data"). So run eagerly, the lookup reads the weight gathered on every such axis but the
-    innermost (what FSDP gathers): one vocabulary split, one pending sum, which
-    ``_settle_pending_output`` then takes. The gather's backward puts the gradient back in
-    the weight's placement. Inside a compiled program (and with ``max_norm``, which
-    renormalises the weight in place) it is the class's own forward. A bound method, not a
-    closure: ``copy.deepcopy`` of the module rebinds it to the copy."""
+    data"). So run eagerly, the class's forward (a subclass's too: Gemma scales its lookup)
+    reads the weight gathered on every such axis but the innermost (what FSDP gathers): one
+    vocabulary split, one pending sum, which ``_settle_pending_output`` then takes. The
+    gather's backward puts the gradient back in the weight's placement. Inside a compiled
+    program, and with ``max_norm`` (it renormalises the weight in place), the class's forward
+    reads the weight itself. A bound method, not a closure: ``copy.deepcopy`` of the module
+    rebinds it to the copy."""
     w = self.weight
     axes = _row_split_axes(w) if isinstance(w, DTensor) else []
     if torch.compiler.is_compiling() or len(axes) < 2 or self.max_norm is not None:
         return type(self).forward(self, input)
     target = [Replicate() if a in axes[:-1] else p for a, p in enumerate(w.placements)]
-    return torch.nn.functional.embedding(
-        input, w.redistribute(w.device_mesh, target), self.padding_idx, None, self.norm_type,
-        self.scale_grad_by_freq, self.sparse)
+    self._parameters["weight"] = w.redistribute(w.device_mesh, target)  # for this call only
+    try:
+        return type(self).forward(self, input)
+    finally:
+        self._parameters["weight"] = w
 
 
 def _gradient_in_parameter_placement(param: DTensor) -> None:
