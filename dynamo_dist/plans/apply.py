@@ -178,11 +178,10 @@ def shard_module(model: nn.Module, mesh: DeviceMesh, plan: ShardingPlan) -> nn.M
             setattr(param, _HOOKED, True)
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if isinstance(module, nn.Embedding) and isinstance(weight, DTensor) \
-                and any(isinstance(p, Shard) and p.dim == 0 for p in weight.placements) \
-                and not getattr(module, _HOOKED, False):
+        rows = _row_split_axes(weight) if isinstance(weight, DTensor) else []
+        if isinstance(module, nn.Embedding) and rows and not getattr(module, _HOOKED, False):
             module.register_forward_hook(functools.partial(_settle_pending_output, mesh=mesh))
-            if len(_row_split_axes(weight)) > 1 and "forward" not in vars(module):
+            if len(rows) > 1 and "forward" not in vars(module):
                 module.forward = types.MethodType(_one_row_split_forward, module)
             setattr(module, _HOOKED, True)
     model._dynamo_dist_plan = plan  # read by tools (explain); not used by the compiler
