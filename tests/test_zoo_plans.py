@@ -9,7 +9,7 @@ from dynamo_dist import compile_records
 from dynamo_dist.plans import shard_module
 from dynamo_dist.plans.dataflow import example_inputs, trace_projections
 from dynamo_dist.testing.zoo.cell import parse_mesh, plan_model
-from dynamo_dist.testing.zoo.expect import compare, textbook
+from dynamo_dist.testing.zoo.expect import Expected, compare, data_parallel_shortfall, textbook
 from dynamo_dist.testing.zoo.models import MODELS, loss_of
 
 CELLS = [(name, "tp=2") for name in MODELS] + [
@@ -39,6 +39,7 @@ def test_plan_moves_no_more_than_the_textbook(fake_mesh, model, mesh):
             counts[key] = counts.get(key, 0) + 1
     rows = compare(expected, counts)
     assert not [r for r in rows if r["verdict"] == "MORE"], rows
+    assert data_parallel_shortfall(rows) is None, rows
     assert not [f for rec in records for f in rec.plan.fallbacks]
 
 
@@ -70,3 +71,25 @@ def test_vocabulary_parallel_embeddings_train_at_parity(model, options):
         assert coll["tp forward all_gather"][1] == 4 * 16 * 256 * 4 // 2, coll
         del coll["tp forward all_gather"]
     assert set(coll) == {"tp forward all_reduce", "tp backward all_reduce"}, coll
+
+
+def test_a_plan_that_reduces_few_gradients_on_dp_is_told_apart():
+    """Per kind, a plan that reduces no gradient on dp reads "fewer" (as a cheaper stand-in
+    does); ``data_parallel_shortfall`` flags fewer than half the textbook's gradient
+    reductions there (the dp ranks computed on the whole batch: BLOOM on dp=2 x tp=2,
+    2026-11-28), and the report says so."""
+    from dynamo_dist.testing.zoo.report import _cell_text
+
+    fsdp = [Expected("dp", "backward", "reduce_scatter", 85, True, "each gradient once"),
+            Expected("dp", "backward", "all_reduce", 16, True, "replicated gradients")]
+    lost = compare(fsdp, {("dp", "backward", "all_reduce"): 1})
+    assert {r["verdict"] for r in lost} == {"fewer"}
+    assert data_parallel_shortfall(lost) == (1, 101)
+    row = {"status": "parity", "loss_rel": 0.0, "grad_rel": 0.0, "textbook": lost}
+    assert "dp grads reduced 1/101" in _cell_text(row)
+    # a small table's gradient all_reduced for its reduce_scatter is a stand-in, not a loss
+    stand_in = compare(fsdp, {("dp", "backward", "reduce_scatter"): 84,
+                              ("dp", "backward", "all_reduce"): 17})
+    assert data_parallel_shortfall(stand_in) is None
+    assert data_parallel_shortfall(compare(fsdp[:1], {})) == (0, 85)
+    assert data_parallel_shortfall(compare([], {})) is None

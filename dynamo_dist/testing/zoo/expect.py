@@ -128,3 +128,17 @@ def compare(expected: list[Expected], counts: dict[tuple[str, str, str], int]
                      "textbook": want, "exact": bool(e and e.exact), "verdict": verdict,
                      "why": e.why if e else "nothing moves here in the textbook plan"})
     return rows
+
+
+def data_parallel_shortfall(rows: list[dict]) -> tuple[int, int] | None:
+    """(ours, textbook) gradient reductions on ``dp`` in the backward (reduce_scatters and
+    all_reduces, from ``compare``'s rows) when ours are fewer than half the textbook's, else
+    None. With right gradients (a cell at parity) that means the ranks of ``dp`` computed much
+    of the model on the whole batch: each gradient was whole already and only sliced. The
+    per-kind verdicts cannot show it (``"fewer"`` is also what a cheaper stand-in reads as)."""
+    ours = want = 0
+    for r in rows:
+        if (r["axis"], r["phase"]) == ("dp", "backward") and \
+                r["kind"] in ("reduce_scatter", "all_reduce"):
+            ours, want = ours + r["ours"], want + r["textbook"]
+    return (ours, want) if want and 2 * ours < want else None

@@ -10,6 +10,7 @@ import datetime
 import torch
 
 from .cell import GRAD_TOL, LOSS_TOL
+from .expect import data_parallel_shortfall
 
 _MARK = {"parity": "parity", "WRONG": "**WRONG**", "error": "error", "crash": "crash",
          "hang": "**hang**"}
@@ -25,6 +26,9 @@ def _cell_text(row: dict) -> str:
     more = [r for r in row.get("textbook", []) if r["verdict"] == "MORE"]
     if more:
         text += f", +{sum(r['ours'] - r['textbook'] for r in more)} coll."
+    short = data_parallel_shortfall(row.get("textbook", []))
+    if short:
+        text += f", dp grads reduced {short[0]}/{short[1]}"
     if row.get("graphs", 1) > 1:
         text += f", {row['graphs']} graphs"
     return text
@@ -56,7 +60,10 @@ def write_report(rows: list[dict], path: str) -> None:
         f"gradients within {GRAD_TOL:g} (relative), with L and G the worst of each; `**WRONG**` "
         "when it ran and the numbers differ; `error` for a clear user-facing error; `crash` "
         "for any other failure; `+n coll.` when the plan moves n more collectives than the "
-        "textbook plan (Megatron on tp, FSDP on dp); `k graphs` when Dynamo split the program; "
+        "textbook plan (Megatron on tp, FSDP on dp); `dp grads reduced k/n` when the backward "
+        "reduces fewer than half the textbook's gradients on dp (its ranks then computed much "
+        "of the model on the whole batch: right numbers, no data parallelism there); "
+        "`k graphs` when Dynamo split the program; "
         "`(plain Inductor: L/G)` after a WRONG cell: plain `torch.compile` on one device against "
         "eager (as far off: the difference is Inductor's, not the sharding's).",
         "",
