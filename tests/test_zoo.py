@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dynamo_dist.testing.zoo.cell import SimRuntime, run_cell
+from dynamo_dist.testing.zoo.expect import data_parallel_shortfall
 from dynamo_dist.testing.zoo.models import MODELS
 
 CELLS = [("gpt2", "tp=2"), ("gpt2", "dp=2,tp=2"), ("bert", "tp=2"), ("bert", "dp=2"),
@@ -30,6 +31,8 @@ def test_zoo_cell_trains_like_one_process_with_the_textbook_collectives(zoo_cell
     assert row["ties_kept"]
     more = [t for t in row["textbook"] if t["verdict"] == "MORE"]
     assert not more, more
+    # data parallelism kept: the gradients reduced on dp, not the batch computed whole there
+    assert data_parallel_shortfall(row["textbook"]) is None, row["textbook"]
     assert not row["fallbacks"], row["fallbacks"]
     assert not row["ledger_without_user_line"], row["ledger_without_user_line"]
     # every parameter a planner left replicated says why
