@@ -15,7 +15,8 @@ from dynamo_dist import compile_records
 from dynamo_dist.testing.conformance.simulate import run_spmd, shard_global, unshard
 from dynamo_dist.simulate import Groups, coordinates, run_lockstep
 from inductor_passes.core.compat import StridedShard
-from inductor_passes.core.placements import fmt, local_shape, plannable, valid_for
+from inductor_passes.core.placements import (fmt, intersect_axes, local_shape, plannable,
+                                             shard_twin, valid_for)
 from inductor_passes.redistribute import mesh_axes, redistribute
 from inductor_passes.sharding import rules
 from inductor_passes.sharding.cost import redistribute_cost
@@ -244,6 +245,106 @@ def test_dtensor_view_rules_on_strided_match_the_definition(fake_mesh, fn, shape
                 (fmt(ins), fmt(out))
         checked += 1
     assert checked
+
+
+# ---------------------------------------------------------------------------------------------
+# a _StridedShard nested inside a Shard of its dim: attention's [B*H] batch on dp x tp (BLOOM's
+# ALiBi attention merges batch and heads; without the nest one of the two axes had to gather)
+# ---------------------------------------------------------------------------------------------
+def test_valid_for_holds_a_strided_split_nested_inside_a_shard():
+    assert valid_for((16, 8), (S0, SS(0, 2)), (2, 2))     # dp's piece of 8: 2 blocks of 2 x 2
+    assert valid_for((16, 8), (S0, SS(0, 4)), (2, 2))
+    assert not valid_for((16, 8), (S0, SS(0, 3)), (2, 2))  # 8 is no multiple of 3 x 2
+    assert valid_for((12, 8), (S0, SS(0, 3)), (2, 2))      # the piece's size counts, not D's
+    assert not valid_for((16, 8), (SS(0, 2), S0), (2, 2), nested=True)  # SS outside: FSDP2/TP
+    assert not valid_for((16, 8), (S0, SS(0, 2), S0), (2, 2, 2), nested=True)
+    assert not valid_for((24, 8), (S0, S0, SS(0, 3)), (2, 2, 2), nested=True)
+    assert not valid_for((16, 8), (S0, S0), (2, 2))         # a plain nest: pins only, as before
+    # rules are asked without the inner split (their answers get it back from rules.strided)
+    assert shard_twin((S0, SS(0, 2))) == (S0, R)
+    assert shard_twin((R, SS(0, 2))) == (R, S0)
+    assert shard_twin((S1, SS(0, 2))) == (S1, S0)
+
+
+def test_axes_planned_apart_combine_to_the_intersection_of_their_pieces():
+    """The per-axis start plans each mesh axis alone: tp's SS(0, 4) of [B*H] = [4*4] holds its
+    heads of all 4 batches, dp's Shard(0) half the batches; the N-D placement is the rank's
+    intersection of the two index sets, which under DTensor's nesting is [S(0), SS(0, 2)]."""
+    x = torch.arange(48.0)
+    for one_axis, ms in [((S0, SS(0, 4)), (2, 2)), ((S0, SS(0, 2)), (2, 2)),
+                         ((S0, SS(0, 12)), (4, 2)), ((S0, SS(0, 6)), (2, 4))]:
+        nd = intersect_axes(one_axis, ms)
+        assert valid_for(x.shape, nd, ms, nested=True), (fmt(one_axis), fmt(nd))
+        for c in coordinates(ms):
+            alone = [set(shard_global(x, (p,), (r,), (n,)).tolist())
+                     for p, r, n in zip(one_axis, c, ms)]
+            got = shard_global(x, nd, c, ms).tolist()
+            assert got == sorted(alone[0] & alone[1]), (fmt(one_axis), fmt(nd), c)
+    assert intersect_axes((S0, SS(0, 4)), (2, 2)) == (S0, SS(0, 2))
+    assert intersect_axes((S0, SS(0, 2)), (2, 2)) == (S0, S0)  # one block per dp piece
+    assert intersect_axes((S0, SS(0, 3)), (2, 2)) == (S0, SS(0, 3))  # 2 does not divide 3
+    assert intersect_axes((SS(0, 4), S0), (2, 2)) == (SS(0, 4), S0)
+    assert intersect_axes((S1, SS(0, 4)), (2, 2)) == (S1, SS(0, 4))
+
+
+def _nested(pls) -> bool:
+    return any(type(p) is StridedShard and any(type(q) is Shard and q.dim == p.dim
+                                                for q in pls[:a])
+               for a, p in enumerate(pls))
+
+
+NEST = (S0, SS(0, 2))  # [B*H] = [4*4] on dp=2 x tp=2: B split on dp, H on tp
+
+
+@pytest.mark.parametrize("fn,shapes,target,current", [
+    (lambda x: x.reshape(16, 5, 3), [(4, 4, 5, 3)], aten.view.default, [(S0, S1)]),
+    (lambda x: x.reshape(4, 4, 5, 3), [(16, 5, 3)], aten.view.default, [NEST]),
+    (lambda x: x.reshape(16, 1, 5), [(4, 4, 5)], aten.view.default, [(S0, S1)]),
+    (torch.bmm, [(16, 5, 3), (16, 3, 5)], aten.bmm.default, [NEST, NEST]),
+    (lambda a, q, k: a.baddbmm(q, k, beta=1.0, alpha=0.5), [(16, 1, 5), (16, 5, 3), (16, 3, 5)],
+     aten.baddbmm.default, [NEST] * 3),
+    (lambda x: x.permute(0, 2, 1), [(16, 5, 3)], aten.permute.default, [NEST]),
+    (lambda x: x * 0.5, [(16, 5, 3)], aten.mul.Tensor, [NEST]),
+    (lambda x: x.softmax(-1), [(16, 5, 3)], aten._softmax.default, [NEST]),
+], ids=["flatten", "unflatten", "alibi-flatten", "bmm", "baddbmm", "permute", "mul", "softmax"])
+def test_rules_on_a_strided_split_nested_in_a_shard_match_the_definition(
+        fake_mesh, fn, shapes, target, current):
+    """Every OpSpec the rules give with such a nest anywhere, run on every rank's pieces (the
+    definition's ``shard_global``, DTensor's left-to-right nesting), is that rank's piece of the
+    global result; and each op is offered at least one (else dp or tp gathers there)."""
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    ms = (2, 2)
+    node = _node(fn, *shapes, target=target)
+    out_shape = tuple(node.meta["val"].shape)
+    xs = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    y = fn(*xs)
+    checked = 0
+    for s in rules.op_strategy(node, current, mesh, ms, lambda n: None):
+        if not any(_nested(p) for p in (*s.inputs, s.output)) or \
+                any(isinstance(p, Partial) for p in (*s.inputs, *s.output)):
+            continue
+        for c in coordinates(ms):
+            pieces = [shard_global(x, p, c, ms) for x, p in zip(xs, s.inputs)]
+            got = pieces[0].reshape(local_shape(out_shape, s.output, ms, c)) \
+                if target is aten.view.default else fn(*pieces)
+            torch.testing.assert_close(got, shard_global(y, s.output, c, ms), rtol=0, atol=1e-12,
+                                       msg=f"{[fmt(i) for i in s.inputs]} -> {fmt(s.output)}")
+        checked += 1
+    assert checked
+
+
+def test_redistribute_to_and_from_a_nested_strided_split_matches_the_definition(fake_mesh):
+    """Every pair among the nest and its neighbours on a [24, 6] value, dp=2 x tp=2: the
+    lowering's collectives and slices give each rank the definition's piece."""
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    full = torch.randn(24, 6, dtype=torch.float64)
+    nests = [(S0, SS(0, 2)), (S0, SS(0, 3)), (S0, SS(0, 6))]
+    others = [(R, R), (S0, R), (R, SS(0, 6)), (S0, S1), (R, S0), (P, SS(0, 2)), (S1, SS(0, 3))]
+    pairs = [(a, b) for a in nests for b in nests + others if a != b] + \
+        [(b, a) for a in nests for b in others if not any(isinstance(p, Partial) for p in a)]
+    for src, dst in pairs:
+        assert valid_for(full.shape, src, (2, 2)) and valid_for(full.shape, dst, (2, 2))
+        _check_redistribute(mesh, full, src, dst)
 
 
 # ---------------------------------------------------------------------------------------------

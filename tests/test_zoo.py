@@ -12,7 +12,7 @@ from dynamo_dist.testing.zoo.expect import data_parallel_shortfall
 from dynamo_dist.testing.zoo.models import MODELS
 
 CELLS = [("gpt2", "tp=2"), ("gpt2", "dp=2,tp=2"), ("bert", "tp=2"), ("bert", "dp=2"),
-         ("mixtral", "tp=2"), ("convnet", "dp=2")]
+         ("mixtral", "tp=2"), ("convnet", "dp=2"), ("bloom", "dp=2,tp=2")]
 
 
 @pytest.fixture

@@ -10,16 +10,19 @@ tensor dim d (GLOBAL size D) is k blocks of D/k; each block is split in n contig
 c = D/(k n), and rank r holds piece r of EVERY block, in block order (local size D/n). It is
 Megatron-LM's layout of a fused projection (q|k|v, gate|up): rank r holds [q_r, k_r, v_r], so
 splitting the local output at the block boundaries gives each rank its Shard of every part. Its
-meaning is DTensor's (``placement_types._StridedShard._split_tensor``) for a dim that no other
-mesh axis splits. We hold it only when D is a multiple of k n (every piece the same size) and no
-other mesh axis splits dim d (DTensor's nested right-to-left use of it, FSDP2 over TP, is not
-planned: such inputs are gathered at the program boundary, see ``plannable``).
+meaning is DTensor's (``placement_types._StridedShard._split_tensor``). We hold it only when D
+is a multiple of k n (every piece the same size) and, where another mesh axis splits dim d
+too, only nested inside one earlier even Shard(d): [Shard(0), SS(0, k)] splits the piece of D/n0
+the Shard leaves (``valid_for``), attention's [B*H] batch with B split on the first axis and H
+on the second. DTensor's right-to-left use of it (FSDP2 over TP: SS on the EARLIER axis) is not
+planned: such inputs are gathered at the program boundary, see ``plannable``.
 
 Nested splits: several mesh axes may ``Shard`` one tensor dim (``[Shard(0), Shard(0)]``, the
 partition spec ``(("dp", "tp"), None)``), in mesh-axis order as DTensor lays it out: the first
 axis chunks the dim, each later one chunks the piece the earlier ones left (``local_shape``).
 Values the user pins may hold them; op rules are not offered them (``valid_for``), so values in
-such a layout are redistributed (exactly, ``redistribute``) before an op computes on them.
+such a layout are redistributed (exactly, ``redistribute``) before an op computes on them. The
+one nest op rules are offered is a Shard with a _StridedShard inside it (above).
 """
 
 from __future__ import annotations
@@ -84,8 +87,16 @@ def strided(dim: int, k: int) -> Placement:
 
 def shard_twin(placements: Placements) -> Placements:
     """Every _StridedShard(d, k) as Shard(d): what rules that do not know block-strided
-    sharding are asked with (``rules.strided`` lifts their answers back)."""
-    return tuple(Shard(p.dim) if type(p) is StridedShard else p for p in placements)
+    sharding are asked with (``rules.strided`` lifts their answers back). One nested inside an
+    earlier Shard(d) (``valid_for``) as Replicate: rules are not offered a dim split twice, and
+    ``rules.strided.nest`` splits the answers' dim again on that axis."""
+    out = []
+    for axis, p in enumerate(placements):
+        if type(p) is StridedShard:
+            inside = any(type(q) is Shard and q.dim == p.dim for q in placements[:axis])
+            p = Replicate() if inside else Shard(p.dim)
+        out.append(p)
+    return tuple(out)
 
 
 def strided_factors(placements: Iterable) -> frozenset[int]:
@@ -125,27 +136,61 @@ def valid_for(shape: Sequence[int], placements: Placements, mesh_shape: Sequence
               nested: bool = False) -> bool:
     """Placements a value can hold: plain types, dims in range. Uneven Shard splits are valid
     (chunk semantics, see ``shard_range``); ``rules.op_strategy`` decides which ops may compute
-    on them. A _StridedShard(d, k) on a mesh axis of size n is valid only when shape[d] is a
-    multiple of k * n (blocks split evenly: every rank holds D/n).
+    on them. A _StridedShard(d, k) on a mesh axis of size n is valid only when the size of dim d
+    it splits is a multiple of k * n (blocks split evenly: every rank holds D/n).
 
-    ``nested``: whether one tensor dim may be split by several mesh axes (Shard only, nested in
-    mesh-axis order, see ``local_shape``). Values the user pins (inputs, constraints) may;
-    op rules, which are written for one split per dim, are not offered such placements."""
-    seen: set[int] = set()
+    ``nested``: whether one tensor dim may be split by several mesh axes with Shard only (nested
+    in mesh-axis order, see ``local_shape``). Values the user pins (inputs, constraints) may;
+    op rules, which are written for one split per dim, are not offered such placements.
+
+    One nest is always valid: Shard(d) on one mesh axis, then a _StridedShard(d, k) on a later
+    one (DTensor's left-to-right order: the Shard cuts D evenly, the _StridedShard splits the
+    piece it leaves, of size L, so L % (k n) == 0). It is the layout of attention's merged
+    [B*H] batch with B split on one axis and H on a later one ([B, H] -> [B*H] with [Shard(0),
+    Shard(1)] gives [Shard(0), SS(0, B / n_0)]), which op rules offer (``rules.strided.nest``)
+    so that data parallelism and a head split coexist there."""
+    level = list(shape)
+    split_by: dict[int, list[Placement]] = {}
     for axis, p in enumerate(placements):
         if not is_plain(p):
             return False
-        if type(p) is Shard or type(p) is StridedShard:
-            if not 0 <= p.dim < len(shape):
+        if not is_split(p):
+            continue
+        if not 0 <= p.dim < len(shape):
+            return False
+        before = split_by.setdefault(p.dim, [])
+        if type(p) is StridedShard:
+            if any(type(q) is not Shard for q in before) or \
+                    level[p.dim] % (p.split_factor * mesh_shape[axis]):
                 return False
-            if p.dim in seen and not (nested and type(p) is Shard and
-                                      not any(is_strided(q) and q.dim == p.dim
-                                              for q in placements)):
-                return False
-            if type(p) is StridedShard and shape[p.dim] % (p.split_factor * mesh_shape[axis]):
-                return False
-            seen.add(p.dim)
+        elif before and not (nested and all(type(q) is Shard for q in before)):
+            return False
+        elif before and any(is_strided(q) for q in placements if is_split(q) and q.dim == p.dim):
+            return False  # (the nest with a _StridedShard has one Shard outside it)
+        if type(p) is Shard and any(is_strided(q) and q.dim == p.dim
+                                    for q in placements[axis + 1:]) and \
+                level[p.dim] % mesh_shape[axis]:
+            return False  # an uneven cut under a _StridedShard: its blocks would differ by rank
+        before.append(p)
+        level[p.dim] //= mesh_shape[axis] if type(p) is Shard else 1
     return True
+
+
+def intersect_axes(placements: Placements, mesh_shape: Sequence[int]) -> Placements:
+    """N-D placements from one-axis ones planned apart (``propagate._separable_start``), where
+    each axis's entry says which indices that axis's ranks hold on their own. A
+    _StridedShard(d, k) on axis b whose dim an earlier axis a cuts with Shard(d) becomes
+    SS(d, k / n_a): a's piece of D/n_a holds k/n_a whole blocks, and b's rank r holds piece r
+    of each, the two subsets' intersection (in ``valid_for``'s nested reading, where SS(d, k)
+    would take k blocks of a's piece). Unchanged where n_a does not divide k."""
+    out = list(placements)
+    for b, p in enumerate(out):
+        if not is_strided(p):
+            continue
+        outer = [a for a in range(b) if type(out[a]) is Shard and out[a].dim == p.dim]
+        if len(outer) == 1 and p.split_factor % mesh_shape[outer[0]] == 0:
+            out[b] = strided(p.dim, p.split_factor // mesh_shape[outer[0]])
+    return tuple(out)
 
 
 def shard_range(size: int, n: int, k: int) -> tuple[int, int]:

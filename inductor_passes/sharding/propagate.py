@@ -33,8 +33,8 @@ from ..core.errors import DistCompileError, user_source
 from ..core.layers import layer_of
 from ..core.mesh_facts import axis_weights
 from ..core.nodes import frozen_graph
-from ..core.placements import (Placements, fmt, is_placements, is_split, nbytes, nonpartial,
-                               replicate, returnable, strided_factors)
+from ..core.placements import (Placements, fmt, intersect_axes, is_placements, is_split, nbytes,
+                               nonpartial, replicate, returnable, strided_factors)
 from .config import DEFAULT, PlanMethod, PlannerConfig
 from .cost import held_bytes, redistribute_cost, saved_bytes, saved_values
 from .repeats import LocalKeys, repeat_classes
@@ -370,11 +370,13 @@ def _separable_start(gm, mesh, primal_placements, num_fwd_outputs, diff_outputs,
             return None
         per_axis.append(sub)
 
+    mesh_shape = tuple(mesh.shape)
+
     def combine(parts):
         if parts[0] is None:
             return None
         if is_placements(parts[0]):
-            return tuple(p[0] for p in parts)
+            return intersect_axes(tuple(p[0] for p in parts), mesh_shape)
         return tuple(combine(list(elems)) for elems in zip(*parts))
 
     nodes = {}

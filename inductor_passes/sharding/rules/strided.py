@@ -32,6 +32,17 @@ head split of attention's [B*H, L, E] batched matmuls; unflattening gives ``Shar
 is how a split factor first appears in a program without strided parameters; such a factor is
 kept only on the merged batch dim of batched matmuls (``_new_factor_ok``). Their answers are
 checked against the definition by ``tests/test_strided.py``.
+
+3. **nesting** (``nest``): with the batch on one mesh axis and the heads on a later one, the
+   merge [B, H] -> [B*H] gives [Shard(0), SS(0, B / n_0)] (DTensor's view rule): an SS nested
+   inside a Shard of its dim (``placements.valid_for``). Rules are asked with the inner SS as
+   Replicate (``shard_twin``); an OpSpec that, on the later axis, has every tensor operand
+   Replicate and, on the earlier one, every operand Shard on a dim of one GLOBAL size, is
+   offered with each such dim also split by SS(d, k) on the later axis, for the factors of (1).
+   Every rank then takes the same index subset of each operand's dim (the Shard's piece, then
+   piece r of each of its k blocks), so an index-wise rule (the allow-lists of (1)) stays
+   exact; a contraction or broadcast over the dim has an operand not Shard there and is never
+   nested. Without it BLOOM's ALiBi attention on dp x tp gave up data parallelism (2026-11-28).
 """
 
 from __future__ import annotations
@@ -167,6 +178,49 @@ def lift(node: fx.Node, specs: Sequence[OpSpec], strided_in: Strided,
                         s is None or p is None or valid_for(s, p, mesh_shape)
                         for s, p in zip(out_shapes, lifted)):
                     new.append(_pack(spec, ins, lifted))
+    return new
+
+
+def nest(node: fx.Node, specs: Sequence[OpSpec], strided_in: Strided,
+         mesh_shape: Sequence[int]) -> list[OpSpec]:
+    """Nested twins of ``specs`` (module doc, 3.): for a liftable OpSpec, an axis b where every
+    tensor operand (inputs and outputs) is Replicate and an earlier axis a where every one is
+    Shard on a dim of one GLOBAL size D, the OpSpec with each operand's dim also split on b by
+    SS(d, k), inside a's piece, for each split factor k in play that ``valid_for`` holds."""
+    anywhere = strided_in.local & strided_in.program
+    if not strided_in.local:
+        return []
+    in_shapes = [val_shape(a) for a in tensor_args(node)]
+    out_shapes = _out_shapes(node)
+    new: list[OpSpec] = []
+    for spec in specs:
+        if not _liftable(node, spec):
+            continue
+        outs = _outputs(spec)
+        pairs = list(zip(in_shapes, spec.inputs)) + \
+            [(s, p) for s, p in zip(out_shapes, outs) if s is not None and p is not None]
+        for b in range(1, len(mesh_shape)):
+            if not all(type(p[b]) is Replicate for _, p in pairs):
+                continue
+            for a in range(b):
+                if not all(type(p[a]) is Shard for _, p in pairs):
+                    continue
+                sizes = {s[p[a].dim] for s, p in pairs}
+                if len(sizes) != 1:
+                    continue
+                batched = all(p[a].dim == 0 and len(s) >= 3 for s, p in pairs)
+                factors = strided_in.local if batched or node.target in _VIEW_FACTOR_OPS \
+                    else anywhere
+                for k in sorted(factors):
+                    def sub(pls, k=k, a=a, b=b):
+                        return pls if pls is None else _with(pls, b, strided(pls[a].dim, k))
+
+                    ins = [sub(p) for p in spec.inputs]
+                    nested = [sub(p) for p in outs]
+                    if all(valid_for(s, p, mesh_shape) for s, p in zip(in_shapes, ins)) and all(
+                            s is None or p is None or valid_for(s, p, mesh_shape)
+                            for s, p in zip(out_shapes, nested)):
+                        new.append(_pack(spec, ins, nested))
     return new
 
 
@@ -360,6 +414,6 @@ def with_strided(node: fx.Node, specs: list[OpSpec], strided_in: Strided,
     if not strided_in or not specs:
         return specs
     base = specs + [replicated_spec(node, len(mesh_shape), RuleKind.STRIDED)]
-    new = lift(node, specs, strided_in, mesh_shape) + \
-        cut_options(node, base, strided_in, mesh_shape)
+    new = lift(node, specs, strided_in, mesh_shape) + nest(node, specs, strided_in, mesh_shape) \
+        + cut_options(node, base, strided_in, mesh_shape)
     return list(dict.fromkeys(specs + new))
