@@ -46,7 +46,8 @@ class PlannerConfig:
     fell back to its greedy walk there (31.1 GiB on the wire per step against 24.6 GiB).
     ``descent_rounds``: rounds of per-axis block coordinate descent on an N-D mesh (an axis
     whose fixed axes did not change since it was last solved is skipped: it cannot improve).
-    ``max_options``: OpSpecs kept per node (cheapest first) in an ILP.
+    ``max_options``: OpSpecs kept per node in an ILP: those whose every input placement some
+    option of its producer holds first (no redistribute needed), then in the rules' order.
     ``repeat_rounds``: rounds of colour refinement that find the nodes of repeated layers
     (``repeats.repeat_classes``); each class shares one set of ILP choice variables, so the
     ILPs stay one layer's size in depth. More rounds tell more nodes near a model's first and

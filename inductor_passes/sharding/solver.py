@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Callable, Sequence
 
@@ -49,7 +50,8 @@ import torch.fx as fx
 from ..core import roles
 from ..core.annotation_ops import CONSTRAINT_OP
 from ..core.fresh_stack import on_fresh_stack
-from ..core.placements import Placements, is_placements, replicate, returnable, strided_factors
+from ..core.placements import (Placements, is_placements, is_split, replicate, returnable,
+                               strided_factors)
 from .config import DEFAULT, PlannerConfig
 from .cost import held_bytes, saved_values
 from .rules import (GETITEM, OpSpec, RuleKind, Strided, has_node_cost, node_cost, op_strategy,
@@ -280,6 +282,19 @@ class ShardingILP:
                     cur[k] = o
                     specs += self.strategy(node, cur, strided_in)
         specs = list(dict.fromkeys(specs))
+        if len(specs) > self.config.max_options:
+            # the cap keeps first what the producers' options can feed without a redistribute,
+            # and among those the ones that divide the work over more ranks: in the rules'
+            # order, the nested OpSpecs of a bmm (``rules.strided.nest``, listed last) fell
+            # past it, and a [B*H] attention gathered on tp for no reason
+            held = [set(c) for c in choices]
+
+            def rank(sp: OpSpec) -> tuple[int, int]:
+                split = [any(is_split(p[axis]) for p in sp.inputs) for axis in range(ndim)]
+                return (sum(p not in h for p, h in zip(sp.inputs, held)),
+                        -math.prod(n for n, s in zip(self.mesh_shape, split) if s))
+
+            specs.sort(key=rank)
         if base is not None:
             every = specs
             specs = [sp for sp in specs if _agrees(sp, base, self.free_axis)]
