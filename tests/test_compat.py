@@ -26,6 +26,42 @@ def test_dtensor_strategy_registry_enumerates(fake_mesh):
     assert isinstance(strategy, compat.OpStrategy) and len(strategy.strategies) >= 1
 
 
+def test_dtensor_expansion_is_asked_unpriced_and_gives_the_same_strategies(fake_mesh):
+    """``dtensor_op_strategy`` skips DTensor's own pricing of a single-dim rule's expansion
+    (``_unpriced_expansion``): the same OpSpecs as DTensor's priced expansion, zero costs, and
+    DTensor's function back in place afterwards."""
+    from torch.distributed.tensor._ops import utils
+    from torch.distributed.tensor._ops.single_dim_strategy import \
+        _expand_single_dim_strategy_to_mesh
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    op = torch.ops.aten.mul.Tensor
+    prop = compat.sharding_propagator()
+    assert op in prop.op_single_dim_strategy_funcs  # the path this skips the pricing on
+    mesh = fake_mesh((2, 2), ("dp", "tp"))
+    meta = compat.TensorMeta(torch.Size([4, 6]), (6, 1), torch.float32)
+    args = (compat.DTensorSpec(mesh, (Shard(0), Shard(1)), tensor_meta=meta),
+            compat.DTensorSpec(mesh, (Replicate(), Shard(1)), tensor_meta=meta))
+    real = utils.generate_redistribute_costs
+    ours = compat.dtensor_op_strategy(compat.OpSchema(op, args, {}), meta)
+    assert utils.generate_redistribute_costs is real
+
+    schema = compat.OpSchema(op, args, {})
+    schema.schema_info = prop.op_to_schema_info_for_single_dim_strategy.get(op)
+    wrapped = prop._wrap_with_op_strategy(schema)
+    priced = _expand_single_dim_strategy_to_mesh(
+        mesh, wrapped, prop.op_single_dim_strategy_funcs[op], meta)(
+        op, wrapped.args_meta, wrapped.kwargs_meta)
+
+    def specs(strategy):
+        return [(s.output_spec.placements, tuple(i.placements for i in s.input_specs))
+                for s in strategy.strategies]
+
+    assert specs(ours) == specs(priced) and len(specs(ours)) > 4
+    assert all(c == 0.0 for s in ours.strategies for row in s.redistribute_cost for c in row)
+    assert any(c > 0 for s in priced.strategies for row in s.redistribute_cost for c in row)
+
+
 def test_dynamo_and_dtensor_hooks_we_patch_exist():
     from torch._dynamo.callback import callback_handler
 
