@@ -136,11 +136,13 @@ def _with(pls: Placements, axis: int, p: Placement) -> Placements:
     return pls[:axis] + (p,) + pls[axis + 1:]
 
 
-def lift(node: fx.Node, specs: Sequence[OpSpec], strided_in: Strided,
-         mesh_shape: Sequence[int]) -> list[OpSpec]:
-    """The lifted twins of ``specs`` (see the module doc), one per (spec, mesh axis, factor)
-    that qualifies; each is checked with ``valid_for`` (k n divides the dim, no nesting)."""
-    anywhere = strided_in.local & strided_in.program
+def _twins(node: fx.Node, specs: Sequence[OpSpec], strided_in: Strided,
+           mesh_shape: Sequence[int], substitutions) -> list[OpSpec]:
+    """The OpSpecs ``substitutions(pairs)`` makes of each liftable spec: it yields, per way to
+    split, the (shape, dim) operands the split touches (which pick the factors in play: those
+    of the local inputs on attention's merged batch or through a view, else only factors the
+    program also pins) and ``sub(k)``, a map of one placement (None: no twin for factor k);
+    each twin is checked with ``valid_for``."""
     if not strided_in.local:
         return []
     in_shapes = [val_shape(a) for a in tensor_args(node)]
@@ -152,6 +154,28 @@ def lift(node: fx.Node, specs: Sequence[OpSpec], strided_in: Strided,
         outs = _outputs(spec)
         pairs = list(zip(in_shapes, spec.inputs)) + \
             [(s, p) for s, p in zip(out_shapes, outs) if s is not None and p is not None]
+        for split, sub_of in substitutions(pairs):
+            batched = all(d == 0 and len(s) >= 3 for s, d in split)
+            factors = strided_in.local if batched or node.target in _VIEW_FACTOR_OPS \
+                else strided_in.local & strided_in.program
+            for k in sorted(factors):
+                sub = sub_of(k)
+                if sub is None:
+                    continue
+                ins = [sub(p) for p in spec.inputs]
+                twin = [sub(p) for p in outs]
+                if all(valid_for(s, p, mesh_shape) for s, p in zip(in_shapes, ins)) and all(
+                        s is None or p is None or valid_for(s, p, mesh_shape)
+                        for s, p in zip(out_shapes, twin)):
+                    new.append(_pack(spec, ins, twin))
+    return new
+
+
+def lift(node: fx.Node, specs: Sequence[OpSpec], strided_in: Strided,
+         mesh_shape: Sequence[int]) -> list[OpSpec]:
+    """The lifted twins of ``specs`` (see the module doc), one per (spec, mesh axis, factor)
+    that qualifies; each is checked with ``valid_for`` (k n divides the dim)."""
+    def substitutions(pairs):
         for axis, n in enumerate(mesh_shape):
             if any(is_strided(p[axis]) for _, p in pairs):
                 continue  # already strided on this axis (a DTensor view's own SS): as is
@@ -160,25 +184,16 @@ def lift(node: fx.Node, specs: Sequence[OpSpec], strided_in: Strided,
             if len(sizes) != 1:
                 continue
             size = sizes.pop()
-            batched = all(d == 0 and len(s) >= 3 for s, d in split)
-            factors = strided_in.local if batched or node.target in _VIEW_FACTOR_OPS \
-                else anywhere
-            for k in sorted(factors):
+
+            def sub_of(k, axis=axis, n=n, size=size):
                 if size % (k * n):
-                    continue
+                    return None
+                return lambda pls: pls if pls is None or type(pls[axis]) is not Shard else \
+                    _with(pls, axis, strided(pls[axis].dim, k))
 
-                def sub(pls):
-                    if pls is None or type(pls[axis]) is not Shard:
-                        return pls
-                    return _with(pls, axis, strided(pls[axis].dim, k))
+            yield split, sub_of
 
-                ins = [sub(p) for p in spec.inputs]
-                lifted = [sub(p) for p in outs]
-                if all(valid_for(s, p, mesh_shape) for s, p in zip(in_shapes, ins)) and all(
-                        s is None or p is None or valid_for(s, p, mesh_shape)
-                        for s, p in zip(out_shapes, lifted)):
-                    new.append(_pack(spec, ins, lifted))
-    return new
+    return _twins(node, specs, strided_in, mesh_shape, substitutions)
 
 
 def nest(node: fx.Node, specs: Sequence[OpSpec], strided_in: Strided,
@@ -187,41 +202,22 @@ def nest(node: fx.Node, specs: Sequence[OpSpec], strided_in: Strided,
     tensor operand (inputs and outputs) is Replicate and an earlier axis a where every one is
     Shard on a dim of one GLOBAL size D, the OpSpec with each operand's dim also split on b by
     SS(d, k), inside a's piece, for each split factor k in play that ``valid_for`` holds."""
-    anywhere = strided_in.local & strided_in.program
-    if not strided_in.local:
-        return []
-    in_shapes = [val_shape(a) for a in tensor_args(node)]
-    out_shapes = _out_shapes(node)
-    new: list[OpSpec] = []
-    for spec in specs:
-        if not _liftable(node, spec):
-            continue
-        outs = _outputs(spec)
-        pairs = list(zip(in_shapes, spec.inputs)) + \
-            [(s, p) for s, p in zip(out_shapes, outs) if s is not None and p is not None]
+    def substitutions(pairs):
         for b in range(1, len(mesh_shape)):
             if not all(type(p[b]) is Replicate for _, p in pairs):
                 continue
             for a in range(b):
-                if not all(type(p[a]) is Shard for _, p in pairs):
+                if not all(type(p[a]) is Shard for _, p in pairs) or \
+                        len({s[p[a].dim] for s, p in pairs}) != 1:
                     continue
-                sizes = {s[p[a].dim] for s, p in pairs}
-                if len(sizes) != 1:
-                    continue
-                batched = all(p[a].dim == 0 and len(s) >= 3 for s, p in pairs)
-                factors = strided_in.local if batched or node.target in _VIEW_FACTOR_OPS \
-                    else anywhere
-                for k in sorted(factors):
-                    def sub(pls, k=k, a=a, b=b):
-                        return pls if pls is None else _with(pls, b, strided(pls[a].dim, k))
 
-                    ins = [sub(p) for p in spec.inputs]
-                    nested = [sub(p) for p in outs]
-                    if all(valid_for(s, p, mesh_shape) for s, p in zip(in_shapes, ins)) and all(
-                            s is None or p is None or valid_for(s, p, mesh_shape)
-                            for s, p in zip(out_shapes, nested)):
-                        new.append(_pack(spec, ins, nested))
-    return new
+                def sub_of(k, a=a, b=b):
+                    return lambda pls: pls if pls is None else \
+                        _with(pls, b, strided(pls[a].dim, k))
+
+                yield [(s, p[a].dim) for s, p in pairs], sub_of
+
+    return _twins(node, specs, strided_in, mesh_shape, substitutions)
 
 
 # ---------------------------------------------------------------------------------------------
