@@ -2,6 +2,8 @@
 from it against its definition, its op rules on small graphs, and fused projections (GPT-2's
 q|k|v, gate|up) on simulated ranks against one device with exactly Megatron's collectives."""
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -401,7 +403,7 @@ def test_merged_batch_attention_keeps_batch_and_heads_split(fake_mesh):
 _LAYOUT = st.sampled_from([R, S0, S1, Shard(2)])
 
 
-@settings(max_examples=int(__import__("os").environ.get("DYNAMO_DIST_NEST_EXAMPLES", "16")),
+@settings(max_examples=int(os.environ.get("DYNAMO_DIST_NEST_EXAMPLES", "16")),
           deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(mesh_shape=st.sampled_from([(2, 2), (2, 2), (2, 2, 2)]),
        b=st.sampled_from([2, 4, 6]), h=st.sampled_from([2, 4, 6]),
