@@ -417,7 +417,32 @@ def test_merged_batch_attention_on_random_layouts_computes_what_one_device_compu
         return tuple(data.draw(_LAYOUT) for _ in mesh_shape)
 
     layouts = [layout()] * 3 if shared else [layout() for _ in range(3)]
-    _attention_on_ranks(fake_mesh, mesh_shape, (b, h, 3, 2), layouts, seed=b * 10 + h)
+    try:
+        _attention_on_ranks(fake_mesh, mesh_shape, (b, h, 3, 2), layouts, seed=b * 10 + h)
+    except AssertionError:
+        raise
+    except Exception:
+        # eager DTensor is slow to dispatch new layouts: asked only when the compile failed
+        assume(_eager_dtensor_runs(fake_mesh, mesh_shape, (b, h, 3, 2), layouts))
+        raise
+
+
+def _eager_dtensor_runs(fake_mesh, mesh_shape, shape, layouts):
+    """Whether eager DTensor itself runs the attention on these layouts. Some it refuses in its
+    own view rules, with the same error compiled or not (Dynamo traces through them): a batch
+    of 2 over 4 ranks ("shape '[1, 3, 2]' is invalid"), or q, k in [S(1), S(1)] with 4 heads
+    ("Cannot unflatten tensor with _StridedShard"). Those are not this test's subject; an
+    assertion (a wrong number) is raised whatever eager DTensor does."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = fake_mesh(mesh_shape, ("dp", "tp", "cp")[:len(mesh_shape)])
+    dts = [distribute_tensor(torch.zeros(shape, dtype=torch.float64), mesh, p).requires_grad_()
+           for p in layouts]
+    try:
+        _merged_batch_attention(*dts).sum().backward()
+    except RuntimeError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,10 +93,16 @@ def shard_twin(placements: Placements) -> Placements:
     out = []
     for axis, p in enumerate(placements):
         if type(p) is StridedShard:
-            inside = any(type(q) is Shard and q.dim == p.dim for q in placements[:axis])
-            p = Replicate() if inside else Shard(p.dim)
+            p = Replicate() if _outer_shards(placements, axis) else Shard(p.dim)
         out.append(p)
     return tuple(out)
+
+
+def _outer_shards(placements: Placements, axis: int) -> list[int]:
+    """The mesh axes before ``axis`` that cut, with a plain Shard, the dim that the split on
+    ``axis`` splits: a _StridedShard there is nested in them (``valid_for``)."""
+    dim = placements[axis].dim
+    return [a for a in range(axis) if type(placements[a]) is Shard and placements[a].dim == dim]
 
 
 def strided_factors(placements: Iterable) -> frozenset[int]:
@@ -187,7 +193,7 @@ def intersect_axes(placements: Placements, mesh_shape: Sequence[int]) -> Placeme
     for b, p in enumerate(out):
         if not is_strided(p):
             continue
-        outer = [a for a in range(b) if type(out[a]) is Shard and out[a].dim == p.dim]
+        outer = _outer_shards(out, b)
         if len(outer) == 1 and p.split_factor % mesh_shape[outer[0]] == 0:
             out[b] = strided(p.dim, p.split_factor // mesh_shape[outer[0]])
     return tuple(out)
