@@ -40,6 +40,25 @@ def test_mul_is_linear_in_one_operand_only():
     assert ((P, P), P) not in specs
 
 
+def test_a_pending_sum_crosses_only_casts_that_hold_every_value():
+    """fp32 -> fp64 and int -> float keep Partial (summing after the cast is exact or wider);
+    fp32 -> bf16, bf16 -> fp16 and float -> int do not: each rank's term would be rounded or
+    truncated before the sum, which the program never does."""
+    P = (Partial("sum"),)
+    cases = [(torch.float32, torch.float64, True), (torch.int64, torch.float32, True),
+             (torch.bfloat16, torch.float32, True), (torch.float32, torch.bfloat16, False),
+             (torch.bfloat16, torch.float16, False), (torch.float32, torch.int64, False),
+             (torch.float32, torch.bool, False)]
+    for src, dst, keeps in cases:
+        gm = make_fx(lambda a: a.to(dst) * 1, tracing_mode="fake")(torch.ones(4, 6, dtype=src))
+        cast = next(n for n in gm.graph.nodes
+                    if n.target in (torch.ops.prims.convert_element_type.default,
+                                    torch.ops.aten._to_copy.default))
+        specs = _specs(cast)
+        assert (((P,), P) in specs) is keeps, (src, dst)
+        assert (((Shard(0),),), (Shard(0),)) in specs
+
+
 def test_broadcast_input_stays_replicated():
     add = _node(lambda a, b: a + b, (4, 6), (6,), target=torch.ops.aten.add.Tensor)
     specs = _specs(add)
