@@ -10,7 +10,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dynamo_dist.testing.zoo.cell import SimRuntime, global_value, run_cell
+from dynamo_dist import compile_records
+from dynamo_dist.plans import shard_module
+from dynamo_dist.testing.zoo.cell import SimRuntime, global_value, plan_model, run_cell
 from dynamo_dist.testing.zoo.models import ZooModel
 
 V, B, T, H = 64, 4, 8, 32
@@ -91,3 +93,39 @@ def test_autocast_head_after_a_row_parallel_sum_trains_at_parity(mesh):
     assert row["loss_rel"] <= 1e-6, row["losses"]
     assert row["grad_rel"] <= (1e-5 if mesh == "tp=2" else 5e-3), (row["grad_rel"],
                                                                      row["grad_worst"])
+
+
+@pytest.mark.parametrize("mesh", ["dp=2", "dp=2,tp=2"])
+def test_autocast_gradients_are_summed_in_the_parameter_dtype_as_ddp_sums_them(mesh):
+    """The head's weight is fp32, its gradient a bf16 matmul cast to fp32 (autocast's cast,
+    backward). Each dp rank's bf16 term differs from one device's by bf16 rounding whatever
+    the plan; DDP then sums the fp32 terms. The planner summed the bf16 terms (half the bytes)
+    and rounded the sum once more: 2.7e-3 off one device against DDP's 2.2e-3. Now the
+    reduce-scatter moves the fp32 gradient (``widening_reduction_factor``) and every gradient
+    is DDP's, emulated on one device (each half of the batch, its loss weighted by its share of
+    the valid labels, gradients accumulated in fp32), to fp32 rounding."""
+    rt = SimRuntime()
+    axes = dict((k, int(v)) for k, v in (a.split("=") for a in mesh.split(",")))
+    device_mesh = rt.setup(axes)
+    torch._dynamo.reset()
+    ref = AutocastLM()
+    model = copy.deepcopy(ref)
+    plan = plan_model(model, axes)
+    with rt.eager():
+        shard_module(model, device_mesh, plan)
+        rt.localize(model)
+    (ids, labels), _ = _batch(0)
+    loss = torch.compile(model, backend="dist", options=rt.options())(ids, labels)
+    with rt.eager():
+        loss.backward()
+    valid = (labels != -100).sum()
+    for half in (slice(0, B // 2), slice(B // 2, B)):
+        share = (labels[half] != -100).sum() / valid
+        (ref(ids[half], labels[half]) * share).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(global_value(p.grad, rt), q.grad, rtol=2e-5, atol=1e-6,
+                                   msg=name)
+    moved = [e for e in compile_records()[-1].ledger.entries
+             if e.mesh_axis == "dp" and e.phase == "backward" and "head" in (e.source or "")]
+    assert moved and all(e.bytes == V * H * 4 for e in moved), \
+        [(e.kind, e.bytes) for e in moved]  # the fp32 gradient (bf16: half)

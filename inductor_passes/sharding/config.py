@@ -22,7 +22,7 @@ class PlanMethod(enum.Enum):
 
 # the fields that may be 0 (every other number must be >= 1; the time limit > 0)
 _MAY_BE_ZERO = ("descent_rounds", "repeat_rounds", "latency_bytes", "reslice_cost", "bytes_per_flop",
-                "saved_memory_weight", "saved_memory_budget_bytes")
+                "saved_memory_weight", "saved_memory_budget_bytes", "widening_reduction_factor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +84,13 @@ class PlannerConfig:
     fits: a Lagrangian relaxation, each plan optimal for its own price (the trade is monotone
     in the weight), each try a whole planning. ``propagate`` raises DistCompileError when even
     weight 1e4 does not fit.
+    ``widening_reduction_factor``: a pending sum in a narrow float dtype whose every use casts
+    it wider (under autocast, the bf16 gradient of an fp32 parameter) is reduced after the
+    cast, as DDP and FSDP reduce the fp32 gradient: its reduction before the cast is priced at
+    this multiple of the widened value's (``rules.pointwise.widened_dtypes``). Summed in bf16,
+    each gradient is rounded once more (an autocast head on dp=2 x tp=2: 2.5e-3 off one
+    device, against 2.0e-3 summed in fp32). 0 prices it by its own bytes (half the traffic:
+    the bf16 sum, FSDP's ``reduce_dtype=bfloat16``).
     """
 
     method: PlanMethod = PlanMethod.ILP
@@ -102,6 +109,7 @@ class PlannerConfig:
     bytes_per_flop: float = 1.0 / 1000
     saved_memory_weight: float = 0.0
     saved_memory_budget_bytes: float = 0.0
+    widening_reduction_factor: float = 1.05
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, PlanMethod):

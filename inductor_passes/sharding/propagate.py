@@ -39,6 +39,7 @@ from .config import DEFAULT, PlanMethod, PlannerConfig
 from .cost import held_bytes, redistribute_cost, saved_bytes, saved_values
 from .repeats import LocalKeys, repeat_classes
 from .rules import embedding
+from .rules.pointwise import widened_dtypes
 from .rules import (GETITEM, OpSpec, RuleKind, RuleSource, Strided, node_cost, op_strategy,
                     replicated_spec, tensor_args)
 from .solver import ShardingILP, program_factors
@@ -647,7 +648,9 @@ class EdgePricer:
     data axis is the user's statement that samples are split there (DataParallelPlanner), and
     in DDP/FSDP only parameters, gradients and the loss cross it; otherwise, at small batch,
     gathering the token ids and repeating the step on every data-parallel rank moves fewer
-    bytes than reducing gradients but is not data parallelism."""
+    bytes than reducing gradients but is not data parallelism. A reduction before a cast that
+    widens the value is priced as the widened value's x ``config.widening_reduction_factor``
+    (gradients summed in their parameter's dtype, as DDP and FSDP sum them)."""
 
     def __init__(self, gm: fx.GraphModule, mesh, origins, data_axes: Sequence[str],
                  greedy: bool = False, config: PlannerConfig = DEFAULT) -> None:
@@ -661,6 +664,7 @@ class EdgePricer:
             gm, origins, (), parameters=False)) if data_axes else set()
         self.data_idx = _data_idx(mesh, data_axes)
         self.vocab_inputs = embedding.vocab_gradient_inputs(gm)
+        self.widened = widened_dtypes(gm) if config.widening_reduction_factor else {}
         self._keys: dict[fx.Node, tuple] = {}
 
     def key(self, node: fx.Node) -> tuple:
@@ -669,13 +673,22 @@ class EdgePricer:
         if key is None:
             val = node.meta["val"]
             key = self._keys[node] = (tuple(val.shape), val.dtype, self.params.get(node),
-                                      node in self.vocab_inputs, node in self.not_params)
+                                      node in self.vocab_inputs, node in self.not_params,
+                                      self.widened.get(node))
         return key
 
     def __call__(self, node: fx.Node, cur, req) -> float:
         val = node.meta["val"]
-        cost = redistribute_cost(tuple(val.shape), val.dtype, cur, req, self.mesh_shape,
-                                 self.greedy, self.weights, self.config)
+        wide = self.widened.get(node)
+        if wide is not None and any(isinstance(c, Partial) and not isinstance(r, Partial)
+                                    for c, r in zip(cur, req)):
+            # a sum reduced before the cast that widens it: priced above the reduction after it
+            cost = self.config.widening_reduction_factor * redistribute_cost(
+                tuple(val.shape), wide, cur, req, self.mesh_shape, self.greedy, self.weights,
+                self.config)
+        else:
+            cost = redistribute_cost(tuple(val.shape), val.dtype, cur, req, self.mesh_shape,
+                                     self.greedy, self.weights, self.config)
         priced = self.params.get(node)
         off_data_split = node not in self.vocab_inputs and \
             any(is_split(cur[i]) and cur[i] != req[i] for i in self.data_idx)

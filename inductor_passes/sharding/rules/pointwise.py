@@ -83,6 +83,40 @@ def _linear_sets(node: fx.Node, n_tensors: int) -> list[tuple[int, ...]]:
     return []
 
 
+_CASTS = {prims.convert_element_type.default, aten._to_copy.default}
+# ops that move the elements of their one input without arithmetic: a sum pending on their
+# output is the one pending on their input, re-indexed
+_MOVES = {aten.permute.default, aten.t.default, aten.view.default, aten._unsafe_view.default,
+          aten.reshape.default, aten.alias.default, aten.clone.default, aten.unsqueeze.default,
+          aten.squeeze.dim, aten.squeeze.dims}
+
+
+def widened_dtypes(gm: fx.GraphModule) -> dict[fx.Node, torch.dtype]:
+    """Float values whose every use casts them to a wider float dtype, directly or through
+    re-indexing (under autocast, the bf16 gradient of an fp32 parameter, transposed, then the
+    backward of the cast), mapped to the widest of those dtypes. ``EdgePricer`` prices their
+    reduction there (``widening_reduction_factor``)."""
+    out: dict[fx.Node, torch.dtype] = {}
+    for node in reversed(gm.graph.nodes):  # users first
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or not node.users:
+            continue
+        wide = []
+        for user in node.users:
+            uval = user.meta.get("val")
+            if user.op == "call_function" and user.target in _MOVES and user in out:
+                wide.append(out[user])
+            elif user.op == "call_function" and user.target in _CASTS and \
+                    user.args[0] is node and isinstance(uval, torch.Tensor) and \
+                    uval.dtype != val.dtype and not _narrows(user):
+                wide.append(uval.dtype)
+            else:
+                break
+        else:
+            out[node] = max(wide, key=lambda d: d.itemsize)
+    return out
+
+
 def _narrows(node: fx.Node) -> bool:
     """Whether this op casts its first argument to a dtype that cannot hold every value of the
     input's (fp32 -> bf16, fp16 <-> bf16, float -> int). A pending sum is then reduced before
