@@ -32,7 +32,7 @@ from inductor_passes.core.placements import Placements, fmt, nbytes, parse
 from inductor_passes.lowering import lower
 from inductor_passes.redistribute import local_coordinate
 from inductor_passes.sharding.config import PlannerConfig
-from inductor_passes.sharding.propagate import Plan, propagate
+from inductor_passes.sharding.propagate import PARAMETER_VIEWS, Plan, propagate
 from inductor_passes.sharding.rules import RuleKind
 
 from . import agreement, compiled_autograd, patches, plan_cache
@@ -83,7 +83,7 @@ class CompileRecord:
 
     def activation_gathers(self, mesh_axis: str) -> list:
         """Ledger entries that all_gather on ``mesh_axis`` anything but a parameter (a DTensor
-        input that is an ``nn.Parameter`` or a leaf requiring grad) or a view of one. On a data
+        input that is an ``nn.Parameter`` or a leaf requiring grad) or a view or cast of one. On a data
         axis this should be empty: data parallelism gathers parameters (FSDP) and never the
         batch. Not counted: the inputs of an embedding backward planned vocabulary-split
         (``rules.embedding``), whose ranks each accumulate other rows of the gradient rather
@@ -97,7 +97,7 @@ class CompileRecord:
         def is_param(name: str) -> bool:
             node = nodes.get(name)
             while node is not None and node.name not in params and \
-                    node.op == "call_function" and str(node.target) in _VIEWS:
+                    node.op == "call_function" and str(node.target) in PARAMETER_VIEWS:
                 node = node.args[0]
             return node is not None and node.name in params
 
@@ -107,10 +107,6 @@ class CompileRecord:
 
         return [e for e in self.ledger.entries if e.kind == "all_gather" and
                 e.mesh_axis == mesh_axis and not is_param(e.value) and not vocab_split(e.node)]
-
-
-_VIEWS = {"aten.view.default", "aten.permute.default", "aten.t.default", "aten.alias.default",
-          "aten.unsqueeze.default", "aten.reshape.default", "aten._unsafe_view.default"}
 
 
 _RECORDS: list[CompileRecord] = []

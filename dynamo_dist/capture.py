@@ -29,7 +29,7 @@ from inductor_passes.core import compat, roles
 from inductor_passes.core.annotation_ops import (CONSTRAINT_OP, encode_spec, enter_manual,
                                                  exit_manual, mesh_key)
 from inductor_passes.core.errors import DistCompileError, source_of_failure, user_source
-from inductor_passes.core.ops import attention_math, matmul_nd, wants_matmul_nd
+from inductor_passes.core.ops import attention_math, matmul_nd, under_autocast, wants_matmul_nd
 from inductor_passes.core.placements import is_split, is_uneven, normalize, plannable, replicate
 from inductor_passes.sharding.rules import PLANNED_WHOLE
 from inductor_passes.sharding.rules.embedding import own_backward_indices
@@ -423,10 +423,14 @@ class _GlobalInterpreter(fx.Interpreter):
                 isinstance(args[0], torch.Tensor):
             return self._dtensor_metadata(args[1])
         if target is torch.matmul and not kwargs and wants_matmul_nd(*args):
-            return self._local_aware(lambda a, k: matmul_nd(*a), args, kwargs)
+            return self._local_aware(lambda a, k: matmul_nd(*under_autocast(a, k)[0]),
+                                     args, kwargs)
         if target is torch.nn.functional.scaled_dot_product_attention and \
                 compat.sdpa_takes_math_path(*args, **kwargs):
-            return self._local_aware(lambda a, k: attention_math(*a, **k), args, kwargs)
+            def math(a, k):
+                a, k = under_autocast(a, k)
+                return attention_math(*a, **k)
+            return self._local_aware(math, args, kwargs)
         return self._local_aware(lambda a, k: super(_GlobalInterpreter, self).call_function(
             target, a, k), args, kwargs)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.utils._pytree as pytree
 
 
 @torch.library.custom_op("dynamo_dist::matmul_nd", mutates_args=())
@@ -41,6 +42,25 @@ matmul_nd.register_autograd(_backward, setup_context=_setup)
 MATMUL_ND = torch.ops.dynamo_dist.matmul_nd.default
 
 
+def under_autocast(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` as autocast hands them to an op of its lower-precision list
+    (``torch.matmul`` and SDPA are on it, on CPU and CUDA): where autocast is on for the
+    tensors' device, every floating tensor but float64 cast to its dtype. The ops capture swaps
+    in for those two (``matmul_nd``, ``attention_math``'s) are on no autocast list, so the
+    cast is made here; without it an autocast matmul_nd ran in fp32 against a bf16 operand
+    (HF Llama's attention under ``torch.autocast``: the compile failed in lowering)."""
+    first = next((t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+                 None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return args, kwargs
+    dtype = torch.get_autocast_dtype(first.device.type)
+
+    def cast(t):
+        return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+
+    return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
+
+
 def wants_matmul_nd(a, b) -> bool:
     """True for matmuls with two or more equal batch dims (the case bmm's view would hide)."""
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.ndim == b.ndim
@@ -54,11 +74,15 @@ def attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention``'s math path, step for step as torch's
     ``_scaled_dot_product_attention_math`` computes it (so the same numbers and random draws),
-    with its two batched matmuls as ``matmul_nd``: torch's own decomposition views [B, H, L, E]
+    with its two batched matmuls as ``matmul_nd`` (fp16 and bf16 computed in fp32 and the
+    output cast back, as torch's math path does): torch's own decomposition views [B, H, L, E]
     as [B*H, L, E] for ``bmm``, which hides the head dim from the sharding rules and makes a
     head-parallel attention with dropout (BERT, T5 as shipped) gather q, k and v. Shapes as
     SDPA's: [*B, H, L, E] x [*B, Hkv, S, E] x [*B, Hkv, S, Ev] -> [*B, H, L, Ev]."""
     length, source, width = query.size(-2), key.size(-2), query.size(-1)
+    dtype = query.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # torch's math path computes these in fp32
+        query, key, value = query.float(), key.float(), value.float()
     negative = scale is not None and scale < 0
     factor = math.sqrt(abs(scale) if scale is not None else 1.0 / math.sqrt(width))
     query = query * (-factor if negative else factor)
@@ -77,7 +101,7 @@ def attention_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attn = torch.ops.aten._safe_softmax(attn, -1)
     if dropout_p > 0.0:
         attn = torch.nn.functional.dropout(attn, dropout_p, training=True)
-    return _batched_matmul(attn, value)
+    return _batched_matmul(attn, value).to(dtype)
 
 
 def _batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

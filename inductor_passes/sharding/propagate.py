@@ -722,10 +722,12 @@ def replicate_source(a: fx.Node, req, env) -> fx.Node:
     return a
 
 
-_VIEW_LIKE = {"aten.permute.default", "aten.view.default", "aten.t.default", "aten.alias.default",
-              "aten.clone.default", "aten.expand.default", "aten.unsqueeze.default",
-              "aten._unsafe_view.default", "aten.reshape.default",
-              "prims.convert_element_type.default"}
+# ops whose output still stands for the parameter they read (views, copies, casts: autocast's
+# bf16 copy of an fp32 weight), in pricing and in the backend's data-axis report
+PARAMETER_VIEWS = {"aten.permute.default", "aten.view.default", "aten.t.default",
+                   "aten.alias.default", "aten.clone.default", "aten.expand.default",
+                   "aten.unsqueeze.default", "aten._unsafe_view.default", "aten.reshape.default",
+                   "prims.convert_element_type.default", "aten._to_copy.default"}
 
 
 def parameter_views(gm: fx.GraphModule, origins, priced_axes: tuple[int, ...],
@@ -739,7 +741,7 @@ def parameter_views(gm: fx.GraphModule, origins, priced_axes: tuple[int, ...],
              (parameters is None or o.parameter == parameters) and
              (n.meta["val"].is_floating_point() or n.meta["val"].is_complex())}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and str(node.target) in _VIEW_LIKE and \
+        if node.op == "call_function" and str(node.target) in PARAMETER_VIEWS and \
                 node.args and node.args[0] in found:
             found[node] = priced_axes
     return found
