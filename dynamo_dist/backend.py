@@ -83,12 +83,12 @@ class CompileRecord:
 
     def activation_gathers(self, mesh_axis: str) -> list:
         """Ledger entries that all_gather on ``mesh_axis`` anything but a parameter (a DTensor
-        input that is an ``nn.Parameter`` or a leaf requiring grad) or a view or cast of one. On a data
-        axis this should be empty: data parallelism gathers parameters (FSDP) and never the
-        batch. Not counted: the inputs of an embedding backward planned vocabulary-split
-        (``rules.embedding``), whose ranks each accumulate other rows of the gradient rather
-        than repeat a computation (the gathered token gradients replace the reduce_scatter of
-        a whole [V, H] gradient)."""
+        input that is an ``nn.Parameter`` or a leaf requiring grad) or a view or cast of one
+        (``PARAMETER_VIEWS``). On a data axis this should be empty: data parallelism gathers
+        parameters (FSDP) and never the batch. Not counted: the inputs of an embedding
+        backward planned vocabulary-split (``rules.embedding``), whose ranks each accumulate
+        other rows of the gradient rather than repeat a computation (the gathered token
+        gradients replace the reduce_scatter of a whole [V, H] gradient)."""
         gm = self.program.graph_module
         nodes = {n.name: n for n in gm.graph.nodes}
         params = {roles.primal_name(k) for k, i in enumerate(self.program.primal_inputs)

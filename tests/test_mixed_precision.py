@@ -82,10 +82,10 @@ def _batch(step):
 def test_autocast_head_after_a_row_parallel_sum_trains_at_parity(mesh):
     """The head's input (the residual after a row-parallel projection, pending on tp) is cast
     to bf16 by autocast. The planner reduced it after the cast, in bf16: the loss moved by
-    7e-5 (1e-4 on another such model), where one device's own rounding error is 1e-7. Now the loss matches to 1e-6 on both meshes. On tp=2 the gradients match
-    as closely; with dp, each rank's bf16 head-weight gradient is rounded before the sum (as
-    under DDP, where the same sum differs from one device by 2e-3 on this model), so they
-    match to bf16's precision."""
+    7e-5 (1e-4 on another such model), where one device's own rounding error is 1e-7. Now the
+    loss matches to 1e-6 on both meshes. On tp=2 the gradients match as closely; with dp,
+    each rank's bf16 head-weight gradient is rounded before the sum (as under DDP: the next
+    test), so they match to bf16's precision."""
     zm = ZooModel("autocast_lm", "test", AutocastLM, _batch)
     row = run_cell(zm, mesh, SimRuntime(), steps=2)
     assert row["params"]["sharded"] >= 4, row["params"]  # the blocks' up and down on tp

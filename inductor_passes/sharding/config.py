@@ -88,9 +88,9 @@ class PlannerConfig:
     it wider (under autocast, the bf16 gradient of an fp32 parameter) is reduced after the
     cast, as DDP and FSDP reduce the fp32 gradient: its reduction before the cast is priced at
     this multiple of the widened value's (``rules.pointwise.widened_dtypes``). Summed in bf16,
-    each gradient is rounded once more (an autocast head on dp=2 x tp=2: 2.5e-3 off one
-    device, against 2.0e-3 summed in fp32). 0 prices it by its own bytes (half the traffic:
-    the bf16 sum, FSDP's ``reduce_dtype=bfloat16``).
+    each gradient is rounded once more (an autocast head on dp=2: 2.7e-3 off one device,
+    against 2.2e-3 summed in fp32). 0 prices it by its own bytes (half the traffic: the bf16
+    sum, FSDP's ``reduce_dtype=bfloat16``).
     """
 
     method: PlanMethod = PlanMethod.ILP
