@@ -1,6 +1,8 @@
-"""Casts and autocast on split programs, on simulated ranks against one device: a pending sum
-(Partial) is reduced in the dtype the program computed it in, never after a cast that rounds or
-truncates each rank's term (``rules.pointwise._narrows``)."""
+"""Casts and autocast on split programs, on simulated ranks against one device (or DDP emulated
+on one device): a pending sum (Partial) is reduced in the dtype the program computed it in,
+never after a cast that rounds or truncates each rank's term (``rules.pointwise._narrows``),
+and a bf16 gradient of an fp32 weight is summed in fp32 (``widening_reduction_factor``); the
+ops capture swaps in (``matmul_nd``, ``attention_math``) compute as eager autocast does."""
 
 import copy
 
@@ -12,7 +14,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dynamo_dist import compile_records
 from dynamo_dist.plans import shard_module
-from dynamo_dist.testing.zoo.cell import SimRuntime, global_value, plan_model, run_cell
+from dynamo_dist.testing.zoo.cell import (SimRuntime, global_value, parse_mesh, plan_model,
+                                          run_cell)
 from dynamo_dist.testing.zoo.models import ZooModel
 
 V, B, T, H = 64, 4, 8, 32
@@ -105,7 +108,7 @@ def test_autocast_gradients_are_summed_in_the_parameter_dtype_as_ddp_sums_them(m
     is DDP's, emulated on one device (each half of the batch, its loss weighted by its share of
     the valid labels, gradients accumulated in fp32), to fp32 rounding."""
     rt = SimRuntime()
-    axes = dict((k, int(v)) for k, v in (a.split("=") for a in mesh.split(",")))
+    axes = parse_mesh(mesh)
     device_mesh = rt.setup(axes)
     torch._dynamo.reset()
     ref = AutocastLM()
@@ -161,7 +164,7 @@ def test_autocast_attention_computes_what_eager_computes(fn, mesh, layout):
     path's bf16 steps put HF Llama's gradients 4e-3 from eager's.
     Now forward and input gradients are eager's, bit for bit forward."""
     rt = SimRuntime()
-    axes = dict((k, int(v)) for k, v in (a.split("=") for a in mesh.split(",")))
+    axes = parse_mesh(mesh)
     device_mesh = rt.setup(axes)
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
@@ -225,3 +228,18 @@ def test_hf_models_under_autocast_train_as_ddp_on_two_data_ranks(name):
     num = sum((got[n] - q.grad).norm() ** 2 for n, q in ref.named_parameters())
     den = sum(q.grad.norm() ** 2 for q in ref.parameters())
     assert (num / den).sqrt() <= 1e-4, (num / den).sqrt()
+
+
+def test_autocast_casts_follow_the_device_a_meta_plan_stands_for():
+    """Capture's autocast casts on meta tensors (a plan made on the meta device, as
+    ``benchmarks/scale.py`` makes Llama-3-8B's): read as the CPU's autocast state, as SDPA's
+    probe reads them (autocast itself raises on "meta"); float64 and integers never cast."""
+    from inductor_passes.core.ops import under_autocast
+
+    a = torch.empty(2, 3, 4, 5, device="meta")
+    d, i = a.double(), torch.empty(3, dtype=torch.int64, device="meta")
+    assert [t.dtype for t in under_autocast((a, d, i), {})[0]] == [a.dtype, d.dtype, i.dtype]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (x, y, z), kw = under_autocast((a, d, i), {"mask": a})
+    assert (x.dtype, y.dtype, z.dtype, kw["mask"].dtype) == (torch.bfloat16, torch.float64,
+                                                             torch.int64, torch.bfloat16)

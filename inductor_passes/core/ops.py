@@ -51,9 +51,14 @@ def under_autocast(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     (HF Llama's attention under ``torch.autocast``: the compile failed in lowering)."""
     first = next((t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
                  None)
-    if first is None or not torch.is_autocast_enabled(first.device.type):
+    if first is None:
         return args, kwargs
-    dtype = torch.get_autocast_dtype(first.device.type)
+    # a meta-device plan stands for the CPU (as in ``compat.sdpa_takes_math_path``); autocast
+    # knows no "meta" and raises on it
+    device = "cpu" if first.device.type == "meta" else first.device.type
+    if not torch.is_autocast_enabled(device):
+        return args, kwargs
+    dtype = torch.get_autocast_dtype(device)
 
     def cast(t):
         return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
