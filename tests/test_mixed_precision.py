@@ -98,6 +98,23 @@ def test_autocast_head_after_a_row_parallel_sum_trains_at_parity(mesh):
                                                                      row["grad_worst"])
 
 
+def _one_step(ref: nn.Module, axes: dict, *args, **kwargs):
+    """A copy of ``ref`` under the stock planners on simulated ranks (``axes``: mesh axis name
+    -> size), compiled, one forward and backward; returns (runtime, model, loss)."""
+    rt = SimRuntime()
+    device_mesh = rt.setup(axes)
+    torch._dynamo.reset()
+    model = copy.deepcopy(ref)
+    plan = plan_model(model, axes)
+    with rt.eager():
+        shard_module(model, device_mesh, plan)
+        rt.localize(model)
+    loss = torch.compile(model, backend="dist", options=rt.options())(*args, **kwargs)
+    with rt.eager():
+        loss.backward()
+    return rt, model, loss
+
+
 @pytest.mark.parametrize("mesh", ["dp=2", "dp=2,tp=2"])
 def test_autocast_gradients_are_summed_in_the_parameter_dtype_as_ddp_sums_them(mesh):
     """The head's weight is fp32, its gradient a bf16 matmul cast to fp32 (autocast's cast,
@@ -107,20 +124,9 @@ def test_autocast_gradients_are_summed_in_the_parameter_dtype_as_ddp_sums_them(m
     reduce-scatter moves the fp32 gradient (``widening_reduction_factor``) and every gradient
     is DDP's, emulated on one device (each half of the batch, its loss weighted by its share of
     the valid labels, gradients accumulated in fp32), to fp32 rounding."""
-    rt = SimRuntime()
-    axes = parse_mesh(mesh)
-    device_mesh = rt.setup(axes)
-    torch._dynamo.reset()
     ref = AutocastLM()
-    model = copy.deepcopy(ref)
-    plan = plan_model(model, axes)
-    with rt.eager():
-        shard_module(model, device_mesh, plan)
-        rt.localize(model)
     (ids, labels), _ = _batch(0)
-    loss = torch.compile(model, backend="dist", options=rt.options())(ids, labels)
-    with rt.eager():
-        loss.backward()
+    rt, model, _ = _one_step(ref, parse_mesh(mesh), ids, labels)
     valid = (labels != -100).sum()
     for half in (slice(0, B // 2), slice(B // 2, B)):
         share = (labels[half] != -100).sum() / valid
@@ -207,20 +213,10 @@ def test_hf_models_under_autocast_train_as_ddp_on_two_data_ranks(name):
     steps in bf16)."""
     from dynamo_dist.testing.zoo.models import BATCH, MODELS
 
-    rt = SimRuntime()
-    device_mesh = rt.setup({"dp": 2})
-    torch._dynamo.reset()
     zm = MODELS[name]
     ref = _Autocast(zm.build())
-    model = copy.deepcopy(ref)
-    plan = plan_model(model, {"dp": 2})
-    with rt.eager():
-        shard_module(model, device_mesh, plan)
-        rt.localize(model)
     _, batch = zm.batch(0)
-    loss = torch.compile(model, backend="dist", options=rt.options())(**batch)
-    with rt.eager():
-        loss.backward()
+    rt, model, loss = _one_step(ref, {"dp": 2}, **batch)
     assert global_value(loss, rt).item() == pytest.approx(ref(**batch).item(), rel=1e-6)
     for half in (slice(0, BATCH // 2), slice(BATCH // 2, BATCH)):  # every label counts
         (ref(**{k: v[half] for k, v in batch.items()}) / 2).backward()

@@ -246,6 +246,8 @@ def sdpa_takes_math_path(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
+    from .ops import autocast_dtype
+
     if not all(isinstance(t, torch.Tensor) for t in (query, key, value)):
         return False
 
@@ -254,11 +256,8 @@ def sdpa_takes_math_path(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
             return t
         device = "cpu" if t.device.type == "meta" else t.device
         shape = [size_hint(s) for s in t.shape]  # symbolic sizes at their hints: no guard
-        dtype = t.dtype  # under autocast, the dtype SDPA is called with (it is on autocast's list)
-        if t.is_floating_point() and dtype != torch.float64 and \
-                torch.is_autocast_enabled(torch.device(device).type):
-            dtype = torch.get_autocast_dtype(torch.device(device).type)
-        row = torch.empty((1,) * (t.dim() - 1) + tuple(shape[-1:]), dtype=dtype,
+        # under autocast, the dtype SDPA is called with (it is on autocast's list)
+        row = torch.empty((1,) * (t.dim() - 1) + tuple(shape[-1:]), dtype=autocast_dtype(t),
                           device=device, requires_grad=t.requires_grad and t.is_floating_point())
         return row.expand(shape)
 

@@ -42,28 +42,24 @@ matmul_nd.register_autograd(_backward, setup_context=_setup)
 MATMUL_ND = torch.ops.dynamo_dist.matmul_nd.default
 
 
+def autocast_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype autocast hands ``t`` to an op of its lower-precision list (``torch.matmul``
+    and SDPA are on it, on CPU and CUDA): its autocast dtype where autocast is on for its
+    device and ``t`` is floating but not float64, else its own. A meta tensor is read as a CPU
+    one (a meta-device plan stands for the CPU; autocast knows no "meta" and raises on it)."""
+    device = "cpu" if t.device.type == "meta" else t.device.type
+    if t.is_floating_point() and t.dtype != torch.float64 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return t.dtype
+
+
 def under_autocast(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``args`` and ``kwargs`` as autocast hands them to an op of its lower-precision list
-    (``torch.matmul`` and SDPA are on it, on CPU and CUDA): where autocast is on for the
-    tensors' device, every floating tensor but float64 cast to its dtype. The ops capture swaps
-    in for those two (``matmul_nd``, ``attention_math``'s) are on no autocast list, so the
-    cast is made here; without it an autocast matmul_nd ran in fp32 against a bf16 operand
-    (HF Llama's attention under ``torch.autocast``: the compile failed in lowering)."""
-    first = next((t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
-                 None)
-    if first is None:
-        return args, kwargs
-    # a meta-device plan stands for the CPU (as in ``compat.sdpa_takes_math_path``); autocast
-    # knows no "meta" and raises on it
-    device = "cpu" if first.device.type == "meta" else first.device.type
-    if not torch.is_autocast_enabled(device):
-        return args, kwargs
-    dtype = torch.get_autocast_dtype(device)
-
-    def cast(t):
-        return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
-
-    return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
+    """``args`` and ``kwargs`` as autocast hands them to an op of its lower-precision list,
+    every tensor cast to its ``autocast_dtype``. The ops capture swaps in for matmul and SDPA
+    (``matmul_nd``, ``attention_math``'s) are on no autocast list, so the cast is made here;
+    without it an autocast matmul_nd ran in fp32 against a bf16 operand (HF Llama's attention
+    under ``torch.autocast``: the compile failed in lowering)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(autocast_dtype(t)), (args, kwargs))
 
 
 def wants_matmul_nd(a, b) -> bool:
