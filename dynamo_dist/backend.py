@@ -154,8 +154,15 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
         # local code already: compiled as they are, user collectives kept
         compiled = compiled_autograd.compile_local(gm, example_inputs, inductor)
         if compiled is None:
-            with compat.disable_local_tensor_mode(), compiled_autograd.disabled():
-                compiled = _compile(gm, list(example_inputs), inductor, config, simulate)
+            # the user's autocast applies to capture alone: from there on the program's casts
+            # are explicit ops, and planning, lowering and Inductor (as AOTAutograd's
+            # partitioner and compilers) run with autocast off, or a region the user ran with
+            # autocast disabled would be cast again
+            amp = compat.autocast_state()
+            with compat.disable_local_tensor_mode(), compiled_autograd.disabled(), \
+                    compat.autocast_as(()):
+                compiled = _compile(gm, list(example_inputs), inductor, config, simulate,
+                                    amp=amp)
         if not isinstance(compiled, DistStep):  # planned programs were compared before Inductor
             check_same_schedule([gm], f"graph of {_code_name(gm)}")
     except BaseException as exc:  # peers waiting on this rank learn of it at once
@@ -272,7 +279,9 @@ def _input_placements(info, mesh) -> tuple[Placements, str | None]:
 
 
 def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: PlannerConfig,
-             simulate: bool = False, respecialised: bool = False):
+             simulate: bool = False, respecialised: bool = False, amp: tuple = ()):
+    """Capture (under the user's autocast state ``amp``, ``compat.autocast_state()``), plan,
+    lower and compile one Dynamo graph; called with autocast off."""
     clock = _StageClock()
     clock.start()
     dynamo_gm, dynamo_inputs = gm, example_inputs
@@ -281,7 +290,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: P
     # an optimizer's DTensor parameters and state reach us as graph attributes: inputs from here
     gm, attributes = lift_tensor_attributes(gm)
     example_inputs = [*example_inputs, *attributes]
-    program = trace_joint(gm, example_inputs, symbolic=not respecialised)
+    with compat.autocast_as(amp):
+        program = trace_joint(gm, example_inputs, symbolic=not respecialised)
     symbolic_shapes.fix_guarded_sizes(program.graph_module)
     symbolic_sizes = symbolic_shapes.is_symbolic(program.graph_module)
     clock.stop("capture")
@@ -297,7 +307,10 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: P
                                    mesh=mesh, fix="use one DeviceMesh per compiled program")
     if mesh is None:
         log.info("dynamo_dist: no DTensor input and no annotation; compiling as one device")
-        return compat.compile_fx(gm, example_inputs) if inductor else gm
+        if not inductor:
+            return gm
+        with compat.autocast_as(amp):  # torch's compile handles the user's autocast itself
+            return compat.compile_fx(gm, example_inputs)
 
     boundary = [_input_placements(i, mesh) for i in program.primal_inputs]
     primal_pl = [pl for pl, _ in boundary]
@@ -344,7 +357,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: P
                                    f"{split[0][0]}", mesh=mesh)
         symbolic_shapes.specialise(program.graph_module)
         agreement.begin_graph()
-        return _compile(dynamo_gm, dynamo_inputs, inductor, config, simulate, respecialised=True)
+        return _compile(dynamo_gm, dynamo_inputs, inductor, config, simulate, respecialised=True,
+                        amp=amp)
 
     has_bwd = torch.is_grad_enabled() and bool(program.diff_outputs) and \
         any(i.requires_grad for i in program.primal_inputs)

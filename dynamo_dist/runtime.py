@@ -48,7 +48,8 @@ class _DistFunction(torch.autograd.Function):
         ctx.direct = [(k, a.shape) for k, a in enumerate(args) if isinstance(a, DTensor)]
         args = [_restrided(a._local_tensor, strides[k]) if isinstance(a, DTensor) else a
                 for k, a in enumerate(args)]
-        outs = step.joint.forward(list(args))
+        with compat.autocast_disabled():  # the program's casts are in it (compat)
+            outs = step.joint.forward(list(args))
         n = step.joint.num_fwd_outputs
         saved = outs[n:]
         ctx.step = step
@@ -91,7 +92,8 @@ class _DistFunction(torch.autograd.Function):
             saved.insert(i, size)
         args = [*saved, *tangents]
         del saved, tangents
-        res = list(step.joint.backward(args))
+        with compat.autocast_disabled():
+            res = list(step.joint.backward(args))
         for k, shape in ctx.direct:
             if res[k] is not None:
                 res[k] = step.grad_dtensor(k, res[k], shape)

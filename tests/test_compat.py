@@ -477,3 +477,25 @@ def test_real_object_unwraps_dynamos_stand_in_for_an_opaque_mesh(fake_mesh):
     assert compat.real_object(stand_in) is mesh
     assert compat.real_object(mesh) is mesh and compat.real_object(3) == 3
     assert data_axes(stand_in) == ("dp",)
+
+
+def test_autocast_state_is_read_set_and_switched_off():
+    """``autocast_state`` reads the devices autocast is on for; ``autocast_as`` sets exactly a
+    state (and a ``torch.autocast`` entered inside it still applies: capture re-enters the
+    user's state within a compile run with autocast off); ``autocast_disabled`` turns every
+    device's off for the ops inside, whatever the flags say."""
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    assert compat.autocast_state() == ()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        state = compat.autocast_state()
+        assert state == (("cpu", torch.bfloat16),)
+        with compat.autocast_as(()):
+            assert compat.autocast_state() == () and (a @ b).dtype == torch.float32
+            with compat.autocast_as(state):
+                assert (a @ b).dtype == torch.bfloat16
+        with compat.autocast_disabled():
+            assert (a @ b).dtype == torch.float32
+        assert (a @ b).dtype == torch.bfloat16
+    with compat.autocast_as((("cpu", torch.float16),)):
+        assert (a @ b).dtype == torch.float16
+    assert compat.autocast_state() == ()

@@ -239,3 +239,59 @@ def test_autocast_casts_follow_the_device_a_meta_plan_stands_for():
         (x, y, z), kw = under_autocast((a, d, i), {"mask": a})
     assert (x.dtype, y.dtype, z.dtype, kw["mask"].dtype) == (torch.bfloat16, torch.float64,
                                                              torch.int64, torch.bfloat16)
+
+
+def _fp32_region(case: str):
+    """A region the user runs in fp32 with ``autocast(enabled=False)`` inside a step run under
+    bf16 autocast (HF's rotary tables, a numerically careful attention)."""
+    def fn(q, k, v):
+        with torch.autocast("cpu", enabled=False):
+            if case == "matmul":
+                return torch.matmul(torch.matmul(q, k.transpose(-1, -2)).softmax(-1), v)
+            if case == "sdpa":
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.linear(q, k[0, 0]) + v
+    return fn
+
+
+@pytest.mark.parametrize("case", ["linear", "matmul", "sdpa"])
+def test_an_autocast_disabled_region_stays_fp32_under_an_outer_autocast(case):
+    """``with torch.autocast(bf16): compiled(...)`` where the compiled code turns autocast off
+    for a region: the program captured that region in fp32, then planning, lowering and the
+    run happened under the user's autocast, which cast the region's matmuls to bf16 again:
+    bf16 outputs, 4e-2 off eager, where eager gives fp32 (linear and matmul failed before).
+    Now autocast applies to capture alone (as AOTAutograd). The output is eager's, in fp32, to
+    fp32 rounding. The backward is traced under the step's autocast, as AOTAutograd traces it
+    (``backward_pass_autocast="same_as_forward"``): each input gradient is eager's to fp32
+    rounding, or torch's own compile's to bf16 rounding (a weight gradient summed over a split
+    batch rounds each rank's bf16 term)."""
+    fn = _fp32_region(case)
+    rt = SimRuntime()
+    device_mesh = rt.setup({"tp": 2})
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(2, 4, 8, 8, generator=gen) for _ in range(3)]
+    layout = [Shard(1)] if case != "linear" else [Shard(0)]
+    with rt.eager():
+        dts = [distribute_tensor(t, device_mesh, layout).requires_grad_() for t in full]
+    eager = [t.clone().requires_grad_() for t in full]
+    torch_compiled = [t.clone().requires_grad_() for t in full]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(fn, backend="dist", options=rt.options())(*dts)
+        want = fn(*eager)
+        theirs = torch.compile(fn, backend="aot_eager_decomp_partition")(*torch_compiled)
+    got = global_value(out, rt)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6)
+    cot = torch.randn(want.shape, generator=gen)
+    want.backward(cot)
+    theirs.backward(cot)
+    with rt.eager():
+        out.backward(distribute_tensor(cot, device_mesh, out.placements))
+    for d, e, t in zip(dts, eager, torch_compiled):
+        if e.grad is None:
+            continue
+        g = global_value(d.grad, rt)
+        assert g.dtype == torch.float32
+        assert (g - e.grad).abs().max() <= 1e-5 or \
+            (g - t.grad).norm() <= 1e-2 * t.grad.norm(), (g - t.grad).norm() / t.grad.norm()

@@ -268,6 +268,34 @@ def sdpa_takes_math_path(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
         return int(torch._fused_sdp_choice(*args, dropout_p, is_causal, **kwargs)) == 0
 
 
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """(device type, dtype) for each device type autocast is on for in this thread."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in torch._C._autocast_supported_devices()
+                 if torch.is_autocast_enabled(d))
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple[tuple[str, torch.dtype], ...]):
+    """Autocast on for exactly the (device type, dtype) pairs of ``state`` (an
+    ``autocast_state()``) inside, off for every other device type. Flags, not a dispatch-key
+    guard: a ``torch.autocast`` entered inside still takes effect (capture re-enters the
+    user's state within a compile that runs with autocast off)."""
+    with contextlib.ExitStack() as stack:
+        for device, _ in autocast_state():
+            stack.enter_context(torch.autocast(device, enabled=False))
+        for device, dtype in state:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield
+
+
+def autocast_disabled() -> contextlib.AbstractContextManager:
+    """Autocast off for the ops run inside, whatever the caller set (a dispatch-key guard,
+    cheap enough for every call of a compiled program): a traced program's casts are explicit
+    ops, and autocast applied again would cast what the user ran in an
+    ``autocast(enabled=False)`` region. AOTAutograd runs its compiled programs under it too."""
+    return torch._C._DisableAutocast()
+
+
 def preserve_backward_stack_traces(grad_fns: list) -> None:
     """Autograd hooks that give each backward node the forward node's stack trace while a joint
     graph is traced (AOTAutograd's own mechanism; checked on torch 2.11 and 2.13)."""

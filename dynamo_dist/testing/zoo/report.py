@@ -9,7 +9,7 @@ import datetime
 
 import torch
 
-from .cell import GRAD_TOL, LOSS_TOL
+from .cell import BF16_FACTOR, FLOOR_FACTOR, GRAD_TOL, LOSS_TOL
 from .expect import data_parallel_shortfall
 
 _MARK = {"parity": "parity", "WRONG": "**WRONG**", "error": "error", "crash": "crash",
@@ -20,6 +20,10 @@ def _cell_text(row: dict) -> str:
     text = _MARK.get(row["status"], row["status"])
     if row["status"] in ("parity", "WRONG") and "loss_rel" in row:
         text += f" {row['loss_rel']:.0e}/{row['grad_rel']:.0e}"
+    bf16 = row.get("bf16") or {}
+    if bf16.get("within_bf16_error") and not bf16.get("matches_ddp"):
+        text += f" (bf16 error {bf16['loss_reference_vs_fp32']:.0e}/" \
+                f"{bf16['grad_reference_vs_fp32']:.0e})"
     base = row.get("baseline") or {}
     if "grad_rel" in base:  # a WRONG cell's plain Inductor run against eager
         text += f" (plain Inductor: {base['loss_rel']:.0e}/{base['grad_rel']:.0e})"
@@ -32,6 +36,21 @@ def _cell_text(row: dict) -> str:
     if row.get("graphs", 1) > 1:
         text += f", {row['graphs']} graphs"
     return text
+
+
+def _autocast_text(rows: list[dict]) -> list[str]:
+    """The criteria of autocast cells (``cell`` module docstring), when there are any."""
+    if not any(r.get("autocast") for r in rows):
+        return []
+    return ["", "Cells run under `torch.autocast(bfloat16)` (eval mode on both sides) are "
+            "compared with DDP emulated on one device (each data rank's piece of the batch, "
+            "gradients summed in fp32); each gradient may be DDP's or one device's (a sum taken "
+            "before a narrowing cast is one device's). Tolerances are the larger of the above "
+            f"and {FLOOR_FACTOR:g}x torch's own compile floor (on one device, `aot_eager` with "
+            "decompositions for `sim`, Inductor for real ranks, against eager). With `tp`, a cell is also at parity when it is within "
+            f"{BF16_FACTOR:g}x the reference's own distance from the fp32 model "
+            "(`bf16 error L/G`): Megatron rounds the row-parallel partial sums to bf16, which "
+            "one device never does."]
 
 
 def write_report(rows: list[dict], path: str) -> None:
@@ -66,6 +85,7 @@ def write_report(rows: list[dict], path: str) -> None:
         "`k graphs` when Dynamo split the program; "
         "`(plain Inductor: L/G)` after a WRONG cell: plain `torch.compile` on one device against "
         "eager (as far off: the difference is Inductor's, not the sharding's).",
+        *_autocast_text(rows),
         "",
         "Totals: " + ", ".join(f"{n} {s}" for s, n in counts.most_common()),
         "",
@@ -95,6 +115,14 @@ def _details(r: dict) -> list[str]:
             f"{a:.6f}/{b:.6f}" for a, b in r["losses"]) +
             f"; worst first-step gradient {r['grad_rel']:.1e} ({r.get('grad_worst')}); final "
             f"parameters {r['param_rel']:.1e} ({r.get('param_worst')})")
+    if r.get("bf16"):
+        b = r["bf16"]
+        match = "matches" if b["matches_ddp"] else "does not match"
+        out.append(f"- under bf16 autocast: {match} DDP or one device within torch's compile "
+                   f"floor ({b['floor_loss']:.1e}/{b['floor_grad']:.1e}); the bf16 reference's "
+                   f"own error against fp32 {b['loss_reference_vs_fp32']:.1e}/"
+                   f"{b['grad_reference_vs_fp32']:.1e}; gradients nearer one device's than "
+                   f"DDP's: {len(b['one_device_nearer'])}")
     if "graphs" in r:
         breaks = "; ".join(r.get("graph_breaks", [])) or "none"
         out.append(f"- graphs compiled: {r['graphs']}; graph breaks: {breaks}")

@@ -1,5 +1,6 @@
 """One zoo cell in its own process(es): on real gloo ranks, ``torchrun --nproc-per-node N -m
-dynamo_dist.testing.zoo.worker MODEL MESH OUT.json [--steps S] [--no-inductor] [--per-block]``
+dynamo_dist.testing.zoo.worker MODEL MESH OUT.json [--steps S] [--no-inductor] [--per-block]
+[--autocast]``
 (rank 0 writes the cell's result row, JSON, to OUT.json); on simulated ranks, ``python -m
 dynamo_dist.testing.zoo.worker --sim MODEL MESH OUT.json``; ``--cuda``: real ranks on GPUs
 (``CudaRuntime``)."""
@@ -29,17 +30,19 @@ def main() -> int:
     ap.add_argument("--cuda", action="store_true", help="real ranks on GPUs (Triton kernels)")
     ap.add_argument("--per-block", action="store_true",
                     help="compile each repeated block on its own, the rest eager")
+    ap.add_argument("--autocast", action="store_true", help="the forward under bf16 autocast")
     args = ap.parse_args()
     if args.sim:
         row = run_cell(MODELS[args.model], args.mesh, SimRuntime(), args.steps,
-                       per_block=args.per_block)
+                       per_block=args.per_block, autocast=args.autocast)
         _write(row, args.out)
         return 0
     rt = CudaRuntime(inductor=not args.no_inductor) if args.cuda else \
         Runtime(inductor=not args.no_inductor)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dist.init_process_group(CudaRuntime.backend(world) if args.cuda else "gloo")
-    row = run_cell(MODELS[args.model], args.mesh, rt, args.steps, per_block=args.per_block)
+    row = run_cell(MODELS[args.model], args.mesh, rt, args.steps, per_block=args.per_block,
+                   autocast=args.autocast)
     row["rank_status"] = _gather_status(row["status"])
     if dist.get_rank() == 0:
         _write(row, args.out)
