@@ -356,3 +356,47 @@ def test_nested_compile_regions_are_planned_like_the_code_they_hold(fake_mesh, c
     assert ledgers[0] == ledgers[1] == [("backward", "all_reduce", "tp")] * 3 + \
         [("forward", "all_reduce", "tp")] * 3, ledgers
     assert any("nested_compile_region call(s) inlined" in r.getMessage() for r in caplog.records)
+
+
+class _LoRALinear(torch.nn.Module):
+    """A frozen projection plus a trained low-rank update ``B(A(x)) * alpha / r`` (LoRA, Hu et
+    al. 2021); B starts nonzero so that both factors get gradients in the first step."""
+
+    def __init__(self, base: torch.nn.Linear, r: int = 4, alpha: float = 8.0):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_A = torch.nn.Linear(base.in_features, r, bias=False)
+        self.lora_B = torch.nn.Linear(r, base.out_features, bias=False)
+        torch.nn.init.normal_(self.lora_B.weight, std=0.02)
+        self.scale = alpha / r
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x)) * self.scale
+
+
+@pytest.mark.parametrize("mesh", ["dp=2", "dp=2,tp=2"])
+def test_lora_fine_tuning_trains_the_adapters_alone_like_one_process(mesh):
+    """HF Llama with every weight frozen and LoRA on q_proj and v_proj (fine-tuning as users
+    write it): 2 AdamW steps on simulated ranks at parity with one process, the frozen weights
+    without gradients, and on dp only the adapters' gradients reduced (FSDP
+    reduce-scatters trained parameters' gradients only: 2 layers x 2 projections x A, B)."""
+    from dynamo_dist.testing.zoo.cell import run_cell
+    from dynamo_dist.testing.zoo.models import MODELS, ZooModel
+
+    llama = MODELS["llama"]
+
+    def build():
+        model = llama.build().requires_grad_(False)
+        torch.manual_seed(1)
+        for layer in model.model.layers:
+            for name in ("q_proj", "v_proj"):
+                setattr(layer.self_attn, name, _LoRALinear(getattr(layer.self_attn, name)))
+        return model
+
+    row = run_cell(ZooModel("llama-lora", llama.family, build, llama.batch), mesh, SimRuntime(),
+                   steps=2)
+    assert row["status"] == "parity", (row.get("error"), row.get("trace"), row.get("grad_worst"))
+    assert row["loss_rel"] <= 1e-5 and row["grad_rel"] <= 1e-4 and row["param_rel"] <= 1e-5
+    reduced = {t["kind"]: t["ours"] for t in row["textbook"] if t["axis"] == "dp" and
+               t["phase"] == "backward" and t["ours"] and t["kind"] != "all_gather"}
+    assert reduced == {"reduce_scatter": 8}, reduced  # (gathers: FSDP's re-gathers)
