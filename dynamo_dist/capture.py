@@ -676,7 +676,8 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
               if not (hasattr(op, "_schema") and any(a.is_out for a in op._schema.arguments))
               and op not in PLANNED_WHOLE}
     decomp.update(foreach_decompositions())
-    with compat.disable_local_tensor_mode(), _leaf_mutation_explained(tensor_infos):
+    with compat.disable_local_tensor_mode(), _leaf_mutation_explained(tensor_infos), \
+            compat.checkpoint_cache_may_be_mutated():
         joint_gm = compat.make_fx(
             joint,
             decomposition_table=decomp,

@@ -27,10 +27,12 @@ import torch.fx as fx
 
 from inductor_passes.compile import compile_joint, sizes_first
 from inductor_passes.core.compat import (disable_local_tensor_mode, local_tensor_rng_states,
-                                         set_local_tensor_rng_states)
+                                         rng_state_ops, set_local_tensor_rng_states)
 from inductor_passes.lowering import lower
 
 c10d = torch.ops._c10d_functional
+# a checkpointed region's random op, saved in the forward and recomputed in the backward
+_RUN_AND_SAVE_RNG, _RUN_WITH_RNG = rng_state_ops()
 _COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.all_reduce.default,
                 c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default}
 
@@ -144,6 +146,15 @@ def _rank_program(gm: fx.GraphModule, inputs: Sequence, rng: torch.Tensor):
             torch.set_rng_state(rng)
             res = node.target(*args, **kwargs)
             rng = torch.get_rng_state()
+        elif node.target is _RUN_AND_SAVE_RNG:  # (op, *args): this rank's state, then draw
+            torch.set_rng_state(rng)
+            res = (rng, args[0](*args[1:], **kwargs))
+            rng = torch.get_rng_state()
+        elif node.target is _RUN_WITH_RNG:  # (state, op, *args): the forward's draw again
+            # higher-order ops are run by the op they hold: LocalTensorMode, still on the mode
+            # stack while disabled, has no rule for them
+            torch.set_rng_state(args[0])
+            res = args[1](*args[2:], **kwargs)
         else:
             res = node.target(*args, **kwargs)
         env[node] = res

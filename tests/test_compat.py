@@ -499,3 +499,21 @@ def test_autocast_state_is_read_set_and_switched_off():
     with compat.autocast_as((("cpu", torch.float16),)):
         assert (a @ b).dtype == torch.float16
     assert compat.autocast_state() == ()
+
+
+def test_checkpoint_and_rng_internals_capture_and_the_simulator_use():
+    """Selective checkpointing's cache mode takes ``allow_cache_entry_mutation`` (capture turns
+    it on: ``checkpoint_cache_may_be_mutated``, and restores torch's own after), and the RNG
+    functionalization's higher-order ops the simulator runs by hand keep their names."""
+    import inspect
+
+    from torch.utils import checkpoint
+
+    cls = checkpoint._CachedTorchDispatchMode
+    assert "allow_cache_entry_mutation" in inspect.signature(cls.__init__).parameters
+    init = cls.__init__
+    with compat.checkpoint_cache_may_be_mutated():
+        assert cls(None, {}).allow_cache_entry_mutation
+    assert cls.__init__ is init and not cls(None, {}).allow_cache_entry_mutation
+    save, replay = compat.rng_state_ops()
+    assert (save.name(), replay.name()) == ("run_and_save_rng_state", "run_with_rng_state")

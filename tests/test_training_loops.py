@@ -400,3 +400,29 @@ def test_lora_fine_tuning_trains_the_adapters_alone_like_one_process(mesh):
     reduced = {t["kind"]: t["ours"] for t in row["textbook"] if t["axis"] == "dp" and
                t["phase"] == "backward" and t["ours"] and t["kind"] != "all_gather"}
     assert reduced == {"reduce_scatter": 8}, reduced  # (gathers: FSDP's re-gathers)
+
+
+@pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
+def test_hf_gradient_checkpointing_with_dropout_trains_like_one_process(mesh):
+    """``model.gradient_checkpointing_enable()`` on GPT-2 (dropout on, as shipped): Dynamo
+    makes each block a checkpointed region, which capture traced with selective
+    checkpointing's cache of every op; CPU dropout mutates its mask in place, and the
+    recompute raised "Tensor cached during selective activation checkpoint has been mutated"
+    (``compat.checkpoint_cache_may_be_mutated``). The simulated ranks then had no rule for
+    the partitioner's ``run_with_rng_state`` (the recomputed dropout replaying its draw). Now
+    2 AdamW steps match one process with the same draws."""
+    from dynamo_dist.testing.zoo.cell import run_cell
+    from dynamo_dist.testing.zoo.models import MODELS, ZooModel
+
+    gpt2 = MODELS["gpt2"]
+
+    def build():
+        model = gpt2.build()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        assert model.transformer.h[0].attn.attn_dropout.p > 0 and model.training
+        return model
+
+    row = run_cell(ZooModel("gpt2-checkpointed", gpt2.family, build, gpt2.batch), mesh,
+                   SimRuntime(), steps=2)
+    assert row["status"] == "parity", (row.get("error"), row.get("trace"), row.get("grad_worst"))
+    assert row["loss_rel"] <= 1e-5 and row["grad_rel"] <= 1e-4 and row["graphs"] == 1

@@ -268,6 +268,40 @@ def sdpa_takes_math_path(query, key, value, attn_mask=None, dropout_p=0.0, is_ca
         return int(torch._fused_sdp_choice(*args, dropout_p, is_causal, **kwargs)) == 0
 
 
+def rng_state_ops() -> tuple[Any, Any]:
+    """(``run_and_save_rng_state``, ``run_with_rng_state``): the higher-order ops AOTAutograd's
+    RNG functionalization puts in a graph whose backward recomputes a random op (activation
+    checkpointing): the first runs an op and returns the generator state it drew from, the
+    second runs an op from a given state."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    return run_and_save_rng_state, run_with_rng_state
+
+
+@contextlib.contextmanager
+def checkpoint_cache_may_be_mutated():
+    """Inside: a checkpointed region traced for compile (``tag_activation_checkpoint``, whose
+    vanilla form is selective checkpointing that caches every op's output for the recompute)
+    accepts a cached output that a later op of the region mutated in place. AOTAutograd
+    traces functionalized, so no version counter moves; capture traces the ops as they are
+    (functionalized afterwards), and CPU dropout is ``empty_like().bernoulli_().div_()``: the
+    recompute raised "Tensor cached during selective activation checkpoint has been mutated".
+    The trace reads the mutated tensor through its latest node, so the value is right."""
+    from torch.utils import checkpoint
+
+    cls = checkpoint._CachedTorchDispatchMode
+    init = cls.__init__
+
+    def allowing(self, policy_fn, storage, allow_cache_entry_mutation=False):
+        init(self, policy_fn, storage, True)
+
+    cls.__init__ = allowing
+    try:
+        yield
+    finally:
+        cls.__init__ = init
+
+
 def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
     """(device type, dtype) for each device type autocast is on for in this thread."""
     return tuple((d, torch.get_autocast_dtype(d)) for d in torch._C._autocast_supported_devices()
