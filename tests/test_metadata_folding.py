@@ -35,9 +35,9 @@ def graphs(monkeypatch):
     seen: list[torch.fx.GraphModule] = []
     original = backend_mod._compile
 
-    def recording(gm, example_inputs, *args):
+    def recording(gm, example_inputs, *args, **kwargs):
         seen.append(gm)
-        return original(gm, example_inputs, *args)
+        return original(gm, example_inputs, *args, **kwargs)
 
     monkeypatch.setattr(backend_mod, "_compile", recording)
     return seen
