@@ -47,8 +47,9 @@ def _autocast_text(rows: list[dict]) -> list[str]:
             "gradients summed in fp32); each gradient may be DDP's or one device's (a sum taken "
             "before a narrowing cast is one device's). Tolerances are the larger of the above "
             f"and {FLOOR_FACTOR:g}x torch's own compile floor (on one device, `aot_eager` with "
-            "decompositions for `sim`, Inductor for real ranks, against eager). With `tp`, a cell is also at parity when it is within "
-            f"{BF16_FACTOR:g}x the reference's own distance from the fp32 model "
+            "decompositions for `sim`, Inductor for real ranks, against eager). With `tp`, a "
+            f"cell is also at parity when it is within {BF16_FACTOR:g}x the reference's own "
+            "distance from the fp32 model "
             "(`bf16 error L/G`): Megatron rounds the row-parallel partial sums to bf16, which "
             "one device never does."]
 
