@@ -50,6 +50,7 @@ def install() -> None:
     install_dynamo_tracing_fallback()
     install_strided_redistribute_fallback()
     install_plain_random_while_tracing()
+    install_requires_grad_setattr()
 
 
 def install_plain_random_while_tracing() -> bool:
@@ -87,6 +88,43 @@ def install_plain_random_while_tracing() -> bool:
     patched = property(region_enabled, enabled.fset, enabled.fdel, enabled.__doc__)
     patched.fget._dynamo_dist_original = enabled
     tracker.distribute_region_enabled = patched
+    return True
+
+
+def install_requires_grad_setattr() -> bool:
+    """While Dynamo traces for ``dist``: ``t.requires_grad = flag`` on a tensor the traced code
+    made (no source: not an input, parameter or global) is traced as ``t.requires_grad_(flag)``,
+    which Dynamo supports on such tensors; the setattr form is a graph break in torch 2.13
+    (``SetAttrBuiltinVariable._call_setattr``: "setattr() on Tensor.requires_grad"), although
+    both do the same thing in eager code.
+
+    Why it matters: transformers' T5 runs ``position_bias.requires_grad = True`` on a fresh
+    ``torch.zeros`` inside each checkpointed layer under ``gradient_checkpointing_enable()``.
+    The break made Dynamo run every checkpointed layer uncompiled, on DTensors, where a
+    row-parallel output stays ``Partial`` and dropout's in-place ``bernoulli_`` on it raised
+    (tp), or compiled the layers' inner frames one by one. Dynamo's ``requires_grad_`` path
+    keeps its own guard: should the tensor leak out of the graph, it graph-breaks there.
+    A tensor with a source keeps Dynamo's own handling (a graph break). Returns whether it is
+    installed (False where Dynamo lacks the hook: ``compat.dynamo_setattr_variable``)."""
+    found = compat.dynamo_setattr_variable()
+    if found is None:
+        return False
+    cls, tensor_variable = found
+    original = cls._call_setattr
+    if getattr(original, "_dynamo_dist", False):
+        return True
+
+    def _call_setattr(self, tx, obj, name_var, val):
+        if (isinstance(obj, tensor_variable) and obj.source is None
+                and name_var.is_python_constant()
+                and name_var.as_python_constant() == "requires_grad"
+                and val.is_python_constant() and dist_backend_is_tracing()):
+            obj.call_method(tx, "requires_grad_", [val], {})
+            return val
+        return original(self, tx, obj, name_var, val)
+
+    _call_setattr._dynamo_dist = True
+    cls._call_setattr = _call_setattr
     return True
 
 

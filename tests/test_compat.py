@@ -517,3 +517,45 @@ def test_checkpoint_and_rng_internals_capture_and_the_simulator_use():
     assert cls.__init__ is init and not cls(None, {}).allow_cache_entry_mutation
     save, replay = compat.rng_state_ops()
     assert (save.name(), replay.name()) == ("run_and_save_rng_state", "run_with_rng_state")
+
+
+class _FreshLeafBias(torch.nn.Module):
+    """T5's cross-attention under gradient checkpointing: in a checkpointed layer, a zeros
+    bias made a leaf that requires grad by attribute assignment."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def layer(self, x):
+        bias = torch.zeros(x.shape, dtype=x.dtype)
+        bias.requires_grad = True
+        return self.proj(x) + bias
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False)
+
+
+def test_requires_grad_set_on_a_fresh_tensor_stays_in_the_graph_for_dist_only(fake_mesh):
+    """``t.requires_grad = True`` on a tensor the code made is traced as ``requires_grad_()``
+    while Dynamo traces for ``dist`` (``patches.install_requires_grad_setattr``): one graph,
+    where another backend still breaks the graph there (torch 2.13's own handling)."""
+    from torch._dynamo.utils import counters
+
+    from dynamo_dist import compile_records
+    from dynamo_dist.plans import TensorParallelPlanner, shard_module
+
+    assert patches.install_requires_grad_setattr()  # idempotent; the hook exists on 2.13
+    x = torch.randn(4, 8)
+    counters.clear()
+    torch.compile(_FreshLeafBias(), backend="eager")(x)
+    assert sum(counters["graph_break"].values()) == 1, dict(counters["graph_break"])
+    torch._dynamo.reset()
+    mesh = fake_mesh((2,), ("tp",))
+    model = _FreshLeafBias()
+    shard_module(model, mesh, TensorParallelPlanner().build_plan(model, example_inputs=(x,)))
+    counters.clear()
+    before = len(compile_records())
+    out = torch.compile(model, backend="dist", options={"inductor": False})(x)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert len(compile_records()) == before + 1 and out.requires_grad

@@ -100,6 +100,20 @@ def dtensor_rng_modules() -> tuple[Any, Any] | None:
     return _dispatch, _random
 
 
+def dynamo_setattr_variable() -> tuple[Any, Any] | None:
+    """(Dynamo's tracker class for the ``setattr`` builtin, ``TensorVariable``) when the first
+    has the hook the ``requires_grad`` setattr patch wraps, ``_call_setattr(tx, obj, name_var,
+    val)`` (torch 2.13's ``SetAttrBuiltinVariable``); else None (torch 2.11 keeps setattr on
+    ``BuiltinVariable``, left unpatched there)."""
+    from torch._dynamo.variables import builtin
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    cls = getattr(builtin, "SetAttrBuiltinVariable", None)
+    if cls is None or not callable(getattr(cls, "_call_setattr", None)):
+        return None
+    return cls, TensorVariable
+
+
 try:  # 2.11 and 2.13
     from torch._library.fake_class_registry import FakeScriptObject as _FakeScriptObject
 except ImportError:  # pragma: no cover - no such wrapper: nothing to unwrap
