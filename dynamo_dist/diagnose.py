@@ -122,14 +122,32 @@ def recompile_hint(reason: str) -> str | None:
     return None
 
 
+_CHECKPOINTED = ("a break inside an activation-checkpointed call (torch.utils.checkpoint, "
+                 "transformers' gradient_checkpointing_enable) makes Dynamo run that whole call "
+                 "outside the graph: its layers run as eager DTensor code (DTensor's own "
+                 "collectives, not the plan, and an in-place op on a Partial value raises) or "
+                 "are compiled frame by frame. Remove the break from the checkpointed code")
+
+
+def _checkpointed(stack: list) -> bool:
+    """Whether a frame of ``stack`` calls into activation checkpointing (the checkpoint call
+    itself: Dynamo inlines torch's checkpoint frames, so only the caller's line shows it)."""
+    return any(fs.name == "forward_with_checkpointing"
+               or re.search(r"checkpoint\w*\(", getattr(fs, "line", None) or "")
+               for fs in stack)
+
+
 def _finding(reason_text: str, stack: list) -> Finding:
     user = [fs for fs in stack if not _internal(fs.filename)]
     fs = user[-1] if user else (stack[-1] if stack else None)
     code = (fs.line or "").strip() if fs else ""
     head = reason_text.strip().splitlines()[0] if reason_text.strip() else "graph break"
     names = {f.name for f in stack}
-    return Finding(fs.filename if fs else None, fs.lineno if fs else None, head,
-                   hint_for(reason_text, names, code), code, reason_text.strip())
+    hint = hint_for(reason_text, names, code)
+    if _checkpointed(stack[:-1]):
+        hint = _CHECKPOINTED + (f"; {hint}" if hint else "")
+    return Finding(fs.filename if fs else None, fs.lineno if fs else None, head, hint, code,
+                   reason_text.strip())
 
 
 def _merge(findings: list[Finding]) -> list[Finding]:

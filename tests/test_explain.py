@@ -147,6 +147,31 @@ def test_plain_tensors_hook_and_data_dependent_hints():
     assert "torch.where" in hints[2], report.to_text()
 
 
+def test_a_break_inside_a_checkpointed_call_says_the_call_runs_outside_the_graph():
+    """A break in code under ``torch.utils.checkpoint`` runs the whole checkpointed call
+    outside the graph (for ``dist``: eager DTensor code); the hint says so before the break's
+    own fix, and a break outside any checkpoint does not get it."""
+    lin = torch.nn.Linear(4, 4)
+
+    def layer(x):
+        y = lin(x)
+        print("in the layer")  # BREAK
+        return y.relu()
+
+    def f(x):
+        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        print("outside")  # OUTSIDE
+        return y.sum()
+
+    report = dynamo_dist.explain(f, torch.randn(2, 4), backend_options=FX)
+    assert report.error is None, report.to_text()
+    hints = {(b.line, b.code): b.hint for b in report.breaks}
+    inside = hints[(layer.__code__.co_firstlineno + 2, 'print("in the layer")  # BREAK')]
+    assert "activation-checkpointed call" in inside and "log outside" in inside, inside
+    outside = hints[(f.__code__.co_firstlineno + 2, 'print("outside")  # OUTSIDE')]
+    assert "checkpoint" not in outside and "log outside" in outside, outside
+
+
 def test_error_is_reported_at_the_user_line():
     def f(x):
         return x @ torch.ones(3, 3)  # shapes do not match
