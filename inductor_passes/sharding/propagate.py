@@ -317,9 +317,18 @@ def _classes(gm, primal_placements, origins, num_fwd_outputs, grad_placements, k
     """``repeats.repeat_classes`` of ``gm``, inputs told apart by their pinned placement and
     whether they are parameters, graph outputs by where they must land (a forward output, or
     its parameter's placement for a gradient: a row- and a column-parallel weight's gradients
-    look alike in the graph); ``config.repeat_rounds`` rounds."""
+    look alike in the graph), and views of an input by its pinned placement too (a chain of
+    views is longer than the rounds see: under activation checkpointing every weight
+    transpose is read back through two or three ``alias`` nodes, and a row- and a
+    column-parallel weight's chains then shared variables, which paid an all_to_all of each
+    weight where their placements differ); ``config.repeat_rounds`` rounds."""
     pinned = dict(zip(roles.primals(gm.graph), primal_placements))
     kind = dict(zip(roles.primals(gm.graph), (o.kind for o in origins)))
+    viewed = dict(pinned)  # node -> the pinned placement of the input it is a view of
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and str(n.target) in PARAMETER_VIEWS and n.args and \
+                isinstance(n.args[0], fx.Node) and n.args[0] in viewed:
+            viewed[n] = viewed[n.args[0]]
     lands: dict[fx.Node, list] = {}
     output = next(iter(gm.graph.find_nodes(op="output")))
     for i, o in enumerate(output.args[0]):
@@ -327,7 +336,7 @@ def _classes(gm, primal_placements, origins, num_fwd_outputs, grad_placements, k
             lands.setdefault(o, []).append(
                 "forward" if i < num_fwd_outputs else grad_placements[i - num_fwd_outputs])
     return repeat_classes(gm, keys, config.repeat_rounds,
-                          extra=lambda n: (pinned.get(n), kind.get(n),
+                          extra=lambda n: (pinned.get(n), kind.get(n), viewed.get(n),
                                            tuple(map(str, lands.get(n, ())))))
 
 
