@@ -374,6 +374,39 @@ class _LoRALinear(torch.nn.Module):
         return self.base(x) + self.lora_B(self.lora_A(x)) * self.scale
 
 
+@pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
+def test_gradient_clipping_on_the_sharded_gradients_matches_one_process(monkeypatch, mesh):
+    """``clip_grad_norm_`` between the backward and the step, as training loops write it, on
+    the DTensor gradients the compiled program hands back (GPT-2: tied embedding, replicated
+    norms, split projections): each step's total norm equals one process's, the
+    gradients are clipped (norm over the limit), and 3 SGD steps (not AdamW, which would hide
+    a wrong scale) land on one process's parameters. The first-step gradients the cell
+    compares are copies: a replicated gradient's global value is its local tensor, which the
+    clip then scaled in place (on tp=2 the cell read 0.98 off before the copy)."""
+    from dynamo_dist.testing.zoo.cell import global_value, run_cell
+    from dynamo_dist.testing.zoo.models import MODELS
+
+    rt, norms, limit = SimRuntime(), [], 0.05
+
+    class ClippedSGD(torch.optim.SGD):
+        def __init__(self, params, lr=None):
+            super().__init__(params, lr=0.5)
+
+        def step(self, closure=None):
+            params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            total = torch.nn.utils.clip_grad_norm_(params, limit)
+            norms.append(global_value(total, rt).item())
+            return super().step(closure)
+
+    monkeypatch.setattr(torch.optim, "AdamW", ClippedSGD)  # the cell's optimizer, both sides
+    row = run_cell(MODELS["gpt2"], mesh, rt, steps=3)
+    assert row["status"] == "parity", (row.get("error"), row.get("trace"), row.get("grad_worst"))
+    assert row["param_rel"] <= 1e-5 and row["loss_rel"] <= 1e-5, row["param_worst"]
+    assert len(norms) == 6 and min(norms) > 10 * limit, norms
+    for ours, one in zip(norms[::2], norms[1::2]):  # the model's step, then the reference's
+        assert abs(ours - one) <= 1e-5 * one, norms
+
+
 @pytest.mark.parametrize("mesh", ["dp=2", "dp=2,tp=2"])
 def test_lora_fine_tuning_trains_the_adapters_alone_like_one_process(mesh):
     """HF Llama with every weight frozen and LoRA on q_proj and v_proj (fine-tuning as users
@@ -402,27 +435,74 @@ def test_lora_fine_tuning_trains_the_adapters_alone_like_one_process(mesh):
     assert reduced == {"reduce_scatter": 8}, reduced  # (gathers: FSDP's re-gathers)
 
 
+def _checkpointed_nodes() -> int:
+    """Nodes of the last compile's global joint graph that a checkpointed region made (the
+    partitioner's ``recompute`` tag)."""
+    graph = compile_records()[-1].program.graph_module.graph
+    return sum(1 for n in graph.nodes if n.meta.get("recompute") is not None)
+
+
 @pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
 def test_hf_gradient_checkpointing_with_dropout_trains_like_one_process(mesh):
-    """``model.gradient_checkpointing_enable()`` on GPT-2 (dropout on, as shipped): Dynamo
-    makes each block a checkpointed region, which capture traced with selective
-    checkpointing's cache of every op; CPU dropout mutates its mask in place, and the
-    recompute raised "Tensor cached during selective activation checkpoint has been mutated"
-    (``compat.checkpoint_cache_may_be_mutated``). The simulated ranks then had no rule for
-    the partitioner's ``run_with_rng_state`` (the recomputed dropout replaying its draw). Now
-    2 AdamW steps match one process with the same draws."""
+    """``model.gradient_checkpointing_enable()`` on GPT-2 (dropout on, as shipped; the zoo's
+    checkpointing cell): Dynamo makes each block a checkpointed region, which capture traced
+    with selective checkpointing's cache of every op; CPU dropout mutates its mask in place,
+    and the recompute raised "Tensor cached during selective activation checkpoint has been
+    mutated" (``compat.checkpoint_cache_may_be_mutated``). The simulated ranks then had no
+    rule for the partitioner's ``run_with_rng_state`` (the recomputed dropout replaying its
+    draw). Now 2 AdamW steps match one process with the same draws."""
     from dynamo_dist.testing.zoo.cell import run_cell
-    from dynamo_dist.testing.zoo.models import MODELS, ZooModel
+    from dynamo_dist.testing.zoo.models import MODELS
 
-    gpt2 = MODELS["gpt2"]
-
-    def build():
-        model = gpt2.build()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        assert model.transformer.h[0].attn.attn_dropout.p > 0 and model.training
-        return model
-
-    row = run_cell(ZooModel("gpt2-checkpointed", gpt2.family, build, gpt2.batch), mesh,
-                   SimRuntime(), steps=2)
+    assert MODELS["gpt2"].build().transformer.h[0].attn.attn_dropout.p > 0
+    row = run_cell(MODELS["gpt2"], mesh, SimRuntime(), steps=2, checkpointing=True)
     assert row["status"] == "parity", (row.get("error"), row.get("trace"), row.get("grad_worst"))
     assert row["loss_rel"] <= 1e-5 and row["grad_rel"] <= 1e-4 and row["graphs"] == 1
+    assert row["checkpointing"] and _checkpointed_nodes() > 0
+
+
+def test_t5_gradient_checkpointing_stays_one_graph_and_trains_like_one_process():
+    """T5 under ``gradient_checkpointing_enable()`` runs ``position_bias.requires_grad = True``
+    on a fresh zeros tensor inside each checkpointed decoder layer: a graph break in torch
+    2.13, which made Dynamo run the layers uncompiled on DTensors, where dropout's in-place
+    draw on a row-parallel (Partial) output raised. The assignment is now traced as
+    ``requires_grad_()`` (``patches.install_requires_grad_setattr``): one graph, and 2 AdamW
+    steps at parity with one process on dp x tp."""
+    from dynamo_dist.testing.zoo.cell import run_cell
+    from dynamo_dist.testing.zoo.models import MODELS
+
+    row = run_cell(MODELS["t5"], "dp=2,tp=2", SimRuntime(), steps=2, checkpointing=True)
+    assert row["status"] == "parity", (row.get("error"), row.get("trace"), row.get("grad_worst"))
+    assert row["loss_rel"] <= 1e-5 and row["grad_rel"] <= 1e-4 and row["graphs"] == 1
+    assert _checkpointed_nodes() > 0
+
+
+def test_checkpointed_layers_keep_megatrons_collectives():
+    """Under checkpointing every weight transpose is read back through ``alias`` nodes (the
+    recompute's cache), chains longer than the planner's colour refinement sees: BERT's row-
+    and column-parallel weights' chains shared ILP variables, and the plan all_to_all'ed
+    weights back and forth (4 extra tp collectives a step on 2 layers). A view of an input now
+    carries the input's pinned placement into its colour: the textbook's collectives, no
+    more."""
+    from dynamo_dist.testing.zoo.cell import run_cell
+    from dynamo_dist.testing.zoo.models import MODELS
+
+    row = run_cell(MODELS["bert"], "tp=2", SimRuntime(), steps=1, checkpointing=True)
+    assert row["status"] == "parity", (row.get("error"), row.get("trace"), row.get("grad_worst"))
+    more = [t for t in row["textbook"] if t["verdict"] == "MORE"]
+    assert not more and _checkpointed_nodes() > 0, more
+    kinds = {e.kind for e in compile_records()[-1].ledger.entries}
+    assert "all_to_all" not in kinds, kinds
+
+
+def test_a_checkpointing_cell_refuses_eval_mode_and_per_block_cells():
+    """An autocast cell runs in eval mode, where transformers does not checkpoint, and a
+    per-block cell is not whole-model: either with ``checkpointing`` is refused, not run as
+    something else."""
+    from dynamo_dist.testing.zoo.cell import checkpointable, run_cell
+    from dynamo_dist.testing.zoo.models import MODELS
+
+    for kind in ("autocast", "per_block"):
+        with pytest.raises(ValueError, match="checkpointing"):
+            run_cell(MODELS["gpt2"], "tp=2", SimRuntime(), checkpointing=True, **{kind: True})
+    assert checkpointable(MODELS["gpt2"]) and not checkpointable(MODELS["resnet"])

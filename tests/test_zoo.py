@@ -123,7 +123,7 @@ def test_a_wrong_cell_is_run_again_on_plain_inductor(monkeypatch, tmp_path):
     from dynamo_dist.testing.zoo import cell
     from dynamo_dist.testing.zoo.report import write_report
 
-    def wrong(zm, axes, rt, steps, row, tp_options, per_block, autocast):
+    def wrong(zm, axes, rt, steps, row, tp_options, per_block, autocast, checkpointing):
         row.update(status="WRONG", loss_rel=0.1, grad_rel=0.5)
 
     monkeypatch.setattr(cell, "_train", wrong)
@@ -160,7 +160,8 @@ def test_cells_run_side_by_side_keep_their_order(monkeypatch, tmp_path):
 
     from dynamo_dist.testing.zoo import __main__ as zoo
 
-    def run_one(model, mesh, runtime, steps, inductor, timeout, per_block, autocast):
+    def run_one(model, mesh, runtime, steps, inductor, timeout, per_block, autocast,
+                checkpointing):
         time.sleep(0.2 if model == "gpt2" else 0.0)  # the first cell ends last
         return {"model": model, "family": MODELS[model].family, "mesh": mesh,
                 "runtime": runtime, "inductor": inductor, "status": "parity", "loss_rel": 0.0,

@@ -7,6 +7,7 @@ on simulated ranks and on real gloo ranks, and writes ``docs/model_coverage.md``
     python -m dynamo_dist.testing.zoo --runtimes cuda --meshes tp=1 --jobs 3  # on one GPU
     python -m dynamo_dist.testing.zoo --per-block --out /tmp/pb.md --json /tmp/pb.json
     python -m dynamo_dist.testing.zoo --autocast --runtimes sim --out /tmp/ac.md --json /tmp/ac.json
+    python -m dynamo_dist.testing.zoo --checkpointing --out /tmp/ck.md --json /tmp/ck.json
 
 Each cell runs in its own process(es) under a time limit (a hang is reported as one).
 """
@@ -23,7 +24,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .cell import parse_mesh
+from .cell import checkpointable, parse_mesh
 from .models import MODELS
 from .report import write_report
 
@@ -36,15 +37,18 @@ FAST_MODELS = ("gpt2", "bert", "mixtral", "convnet")
 
 
 def run_one(model: str, mesh: str, runtime: str, steps: int, inductor: bool,
-            timeout: float, per_block: bool = False, autocast: bool = False) -> dict:
+            timeout: float, per_block: bool = False, autocast: bool = False,
+            checkpointing: bool = False) -> dict:
     """One cell in fresh process(es); a crash or hang becomes a result row. ``per_block``:
     each repeated block compiled on its own (``dynamo_dist.compile_blocks``), the rest eager;
-    ``autocast``: the forward under bf16 autocast (``cell.run_cell``)."""
+    ``autocast``: the forward under bf16 autocast; ``checkpointing``: transformers' gradient
+    checkpointing on both sides (``cell.run_cell``)."""
     world = math.prod(parse_mesh(mesh).values())
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
         worker = ["-m", "dynamo_dist.testing.zoo.worker", model, mesh, out, "--steps", str(steps),
-                  *(["--per-block"] if per_block else []), *(["--autocast"] if autocast else [])]
+                  *(["--per-block"] if per_block else []), *(["--autocast"] if autocast else []),
+                  *(["--checkpointing"] if checkpointing else [])]
         if runtime == "sim":
             cmd = [sys.executable, *worker, "--sim"]
         else:  # --standalone: a free port, so that cells may run side by side (--jobs)
@@ -66,7 +70,7 @@ def run_one(model: str, mesh: str, runtime: str, steps: int, inductor: bool,
         return {"model": model, "family": MODELS[model].family, "mesh": mesh,
                 "runtime": runtime, "inductor": inductor and runtime != "sim",
                 "status": status, "error": tail, "seconds": round(time.perf_counter() - t0, 1),
-                "autocast": autocast}
+                "autocast": autocast, "checkpointing": checkpointing}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,23 +93,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--autocast", action="store_true",
                     help="the forward under torch.autocast(bfloat16), held to DDP emulated on one "
                          "device and, with tp, to one device's bf16 precision")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="transformers' gradient checkpointing (use_reentrant=False, dropout on) "
+                         "on both sides; architectures without it are left out")
     ap.add_argument("--out", default="docs/model_coverage.md")
     ap.add_argument("--json", default="docs/model_coverage.json")
     args = ap.parse_args(argv)
     if args.autocast and args.per_block:
         ap.error("--autocast and --per-block do not combine (cell.run_cell)")
+    if args.checkpointing and (args.autocast or args.per_block):
+        ap.error("--checkpointing combines with neither --autocast nor --per-block "
+                 "(cell.run_cell)")
     if args.layers is not None:
         if args.layers < 1:
             ap.error("--layers must be at least 1")
         os.environ["DYNAMO_DIST_ZOO_LAYERS"] = str(args.layers)
     models = [m for m in args.models if not args.fast or m in FAST_MODELS]
+    if args.checkpointing:
+        left_out = [m for m in models if not checkpointable(MODELS[m])]
+        models = [m for m in models if m not in left_out]
+        if left_out:
+            print(f"left out (no gradient checkpointing): {', '.join(left_out)}", flush=True)
     cells = [(model, mesh, runtime) for model in models for mesh in args.meshes
              for runtime in args.runtimes]
 
     def one(cell: tuple[str, str, str]) -> dict:
         model, mesh, runtime = cell
         row = run_one(model, mesh, runtime, args.steps, not args.no_inductor, args.timeout,
-                      args.per_block, args.autocast)
+                      args.per_block, args.autocast, args.checkpointing)
         print(f"{model:<10} {mesh:<10} {runtime:<5} {row['status']:<7} "
               f"loss {row.get('loss_rel', float('nan')):.1e} "
               f"grad {row.get('grad_rel', float('nan')):.1e} "

@@ -29,6 +29,11 @@ one device, DDP-emulated, against eager: Inductor's fused kernels and the decomp
 round differently), or, on a mesh with ``tp``, when it is no further from the reference than
 ``BF16_FACTOR`` x the reference's own distance from the fp32 model (no autocast), in losses
 and first-step gradients (``row["bf16"]``): two bf16 runs apart by bf16's error.
+
+Activation checkpointing (``checkpointing=True``): transformers' ``gradient_checkpointing_enable``
+(``use_reentrant=False``, the form that traces) on the model before it is copied, so the
+reference recomputes its layers too, with dropout on as shipped; held to the plain tolerances.
+Only architectures that offer it (``checkpointable``).
 """
 
 from __future__ import annotations
@@ -223,9 +228,20 @@ def _without_eager_dropout(model: torch.nn.Module) -> None:
             setattr(model.get_submodule(parent) if parent else model, leaf, torch.nn.Identity())
 
 
+def checkpointable(zm: ZooModel) -> bool:
+    """Whether ``zm``'s model offers transformers' gradient checkpointing (its
+    ``supports_gradient_checkpointing``; HF's ResNet and ConvNeXt, and the zoo's own ConvNet,
+    do not)."""
+    return bool(getattr(zm.build(), "supports_gradient_checkpointing", False))
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3,
              tp_options: dict | None = None, per_block: bool = False,
-             autocast: bool = False) -> dict:
+             autocast: bool = False, checkpointing: bool = False) -> dict:
     """Train ``zm`` on the mesh ``mesh_text`` for ``steps`` AdamW steps; the result row.
     ``tp_options``: knobs of the tensor-parallel planner (``plan_model``). ``per_block``:
     compile each of ``repeated_blocks(model)`` on its own (``compile_blocks``, torchtitan's
@@ -233,14 +249,20 @@ def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3,
     parts' collectives are DTensor's, not in any ledger), and a model without repeated blocks
     is an error row. ``autocast``: the forward under bf16 autocast, held to DDP and to the
     one-device bf16 run's precision (module docstring); not with ``per_block``.
-    Raises ValueError for ``per_block`` with ``autocast``."""
+    ``checkpointing``: transformers' gradient checkpointing on both sides (module docstring).
+    Raises ValueError for ``per_block`` with ``autocast``, and for ``checkpointing`` with
+    either (an autocast cell runs in eval mode, where transformers does not checkpoint)."""
     if per_block and autocast:
         raise ValueError("a per-block cell under autocast is not offered: its eager parts run "
                          "DTensor's own ops, which the bf16 criteria here do not describe")
+    if checkpointing and (per_block or autocast):
+        raise ValueError("a checkpointing cell is whole-model and in training mode: not with "
+                         "per_block or autocast")
     axes = parse_mesh(mesh_text)
     row: dict[str, Any] = {"model": zm.name, "family": zm.family, "mesh": mesh_text,
                            "runtime": rt.name, "inductor": rt.inductor, "status": "crash",
-                           "per_block": per_block, "autocast": autocast}
+                           "per_block": per_block, "autocast": autocast,
+                           "checkpointing": checkpointing}
     row["torch"] = torch.__version__
     # the architectures' code: their traced paths differ between versions
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
@@ -253,7 +275,7 @@ def run_cell(zm: ZooModel, mesh_text: str, rt: Runtime, steps: int = 3,
     logs = _CapturedLog()
     try:
         with logs, _inductor_random_as_eager(), _quiet_transformers_warn_once():
-            _train(zm, axes, rt, steps, row, tp_options, per_block, autocast)
+            _train(zm, axes, rt, steps, row, tp_options, per_block, autocast, checkpointing)
     except ReplicaMismatch as exc:
         row.update(status="WRONG", error=str(exc))
     except Exception as exc:  # noqa: BLE001 -- a zoo cell reports every failure
@@ -333,9 +355,11 @@ def _on(device: str, batch: Any) -> Any:
 
 def _train(zm: ZooModel, axes: dict[str, int], rt: Runtime, steps: int, row: dict,
            tp_options: dict | None = None, per_block: bool = False,
-           autocast: bool = False) -> None:
+           autocast: bool = False, checkpointing: bool = False) -> None:
     mesh = rt.setup(axes)
     ref = zm.build().to(rt.device)
+    if checkpointing:
+        _enable_checkpointing(ref)
     if per_block:
         _without_eager_dropout(ref)
     if autocast:
@@ -377,7 +401,9 @@ def _train(zm: ZooModel, axes: dict[str, int], rt: Runtime, steps: int, row: dic
         with rt.eager():
             loss.backward()
         if step == 0:
-            grads = {n: (global_value(p.grad, rt) if p.grad is not None else None)
+            # copies: a replicated gradient's global value is its local tensor, which an
+            # in-place change before the comparison (gradient clipping in the step) would edit
+            grads = {n: (global_value(p.grad, rt).clone() if p.grad is not None else None)
                      for n, p in model.named_parameters()}
         with rt.eager():
             opt.step()

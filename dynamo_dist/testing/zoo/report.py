@@ -54,6 +54,14 @@ def _autocast_text(rows: list[dict]) -> list[str]:
             "one device never does."]
 
 
+def _checkpointing_text(rows: list[dict]) -> list[str]:
+    """What checkpointing cells ran (``cell`` module docstring), when there are any."""
+    if not any(r.get("checkpointing") for r in rows):
+        return []
+    return ["", "Cells marked checkpointing ran with transformers' `gradient_checkpointing_enable"
+            "(use_reentrant=False)` on both sides, dropout on as shipped; same tolerances."]
+
+
 def write_report(rows: list[dict], path: str) -> None:
     models = list(dict.fromkeys(r["model"] for r in rows))
     cols = list(dict.fromkeys((r["mesh"], r["runtime"]) for r in rows))
@@ -87,6 +95,7 @@ def write_report(rows: list[dict], path: str) -> None:
         "`(plain Inductor: L/G)` after a WRONG cell: plain `torch.compile` on one device against "
         "eager (as far off: the difference is Inductor's, not the sharding's).",
         *_autocast_text(rows),
+        *_checkpointing_text(rows),
         "",
         "Totals: " + ", ".join(f"{n} {s}" for s, n in counts.most_common()),
         "",

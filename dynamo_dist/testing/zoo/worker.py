@@ -1,6 +1,6 @@
 """One zoo cell in its own process(es): on real gloo ranks, ``torchrun --nproc-per-node N -m
 dynamo_dist.testing.zoo.worker MODEL MESH OUT.json [--steps S] [--no-inductor] [--per-block]
-[--autocast]``
+[--autocast] [--checkpointing]``
 (rank 0 writes the cell's result row, JSON, to OUT.json); on simulated ranks, ``python -m
 dynamo_dist.testing.zoo.worker --sim MODEL MESH OUT.json``; ``--cuda``: real ranks on GPUs
 (``CudaRuntime``)."""
@@ -31,10 +31,13 @@ def main() -> int:
     ap.add_argument("--per-block", action="store_true",
                     help="compile each repeated block on its own, the rest eager")
     ap.add_argument("--autocast", action="store_true", help="the forward under bf16 autocast")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="transformers' gradient checkpointing on both sides")
     args = ap.parse_args()
     if args.sim:
         row = run_cell(MODELS[args.model], args.mesh, SimRuntime(), args.steps,
-                       per_block=args.per_block, autocast=args.autocast)
+                       per_block=args.per_block, autocast=args.autocast,
+                       checkpointing=args.checkpointing)
         _write(row, args.out)
         return 0
     rt = CudaRuntime(inductor=not args.no_inductor) if args.cuda else \
@@ -42,7 +45,7 @@ def main() -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dist.init_process_group(CudaRuntime.backend(world) if args.cuda else "gloo")
     row = run_cell(MODELS[args.model], args.mesh, rt, args.steps, per_block=args.per_block,
-                   autocast=args.autocast)
+                   autocast=args.autocast, checkpointing=args.checkpointing)
     row["rank_status"] = _gather_status(row["status"])
     if dist.get_rank() == 0:
         _write(row, args.out)
