@@ -407,6 +407,31 @@ def test_gradient_clipping_on_the_sharded_gradients_matches_one_process(monkeypa
         assert abs(ours - one) <= 1e-5 * one, norms
 
 
+def test_a_padded_batch_with_an_attention_mask_trains_like_one_process():
+    """Fine-tuning batches are padded: HF Llama with an ``attention_mask`` whose rows end in
+    padding (transformers builds the 4-D mask from it by indexing) and the padded positions'
+    labels ``-100`` (ignored by the loss, so the mean is over fewer tokens than the batch has):
+    2 AdamW steps on dp x tp at parity with one process. The mask's [B, S] rows are gathered
+    on dp for the index (one small all_gather beyond the textbook's)."""
+    from dynamo_dist.testing.zoo.cell import run_cell
+    from dynamo_dist.testing.zoo.models import MODELS, ZooModel
+
+    llama = MODELS["llama"]
+
+    def batch(step):
+        args, kwargs = llama.batch(step)
+        mask = torch.ones_like(kwargs["input_ids"])
+        mask[1, -5:] = 0
+        mask[3, -9:] = 0
+        return args, dict(kwargs, attention_mask=mask,
+                          labels=kwargs["labels"].masked_fill(mask == 0, -100))
+
+    row = run_cell(ZooModel("llama-padded", llama.family, llama.build, batch), "dp=2,tp=2",
+                   SimRuntime(), steps=2)
+    assert row["status"] == "parity", (row.get("error"), row.get("trace"), row.get("grad_worst"))
+    assert row["loss_rel"] <= 1e-5 and row["grad_rel"] <= 1e-4 and row["graphs"] == 1
+
+
 @pytest.mark.parametrize("mesh", ["dp=2", "dp=2,tp=2"])
 def test_lora_fine_tuning_trains_the_adapters_alone_like_one_process(mesh):
     """HF Llama with every weight frozen and LoRA on q_proj and v_proj (fine-tuning as users
