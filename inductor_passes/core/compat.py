@@ -103,8 +103,8 @@ def dtensor_rng_modules() -> tuple[Any, Any] | None:
 def dynamo_setattr_variable() -> tuple[Any, Any] | None:
     """(Dynamo's tracker class for the ``setattr`` builtin, ``TensorVariable``) when the first
     has the hook the ``requires_grad`` setattr patch wraps, ``_call_setattr(tx, obj, name_var,
-    val)`` (torch 2.13's ``SetAttrBuiltinVariable``); else None (torch 2.11 keeps setattr on
-    ``BuiltinVariable``, left unpatched there)."""
+    val)`` (torch 2.13's ``SetAttrBuiltinVariable``); else None (a torch without them is
+    left unpatched: the setattr stays a graph break there)."""
     from torch._dynamo.variables import builtin
     from torch._dynamo.variables.tensor import TensorVariable
 
