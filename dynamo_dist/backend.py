@@ -307,7 +307,10 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: P
                                    mesh=mesh, fix="use one DeviceMesh per compiled program")
     if mesh is None:
         log.info("dynamo_dist: no DTensor input and no annotation; compiling as one device")
-        if not inductor:
+        # simulated ranks: the graph runs as it is on the LocalTensor inputs (each op once per
+        # rank); Inductor cannot take a LocalTensor (a graph break's piece without a DTensor
+        # in it crashed there)
+        if not inductor or simulate:
             return gm
         with compat.autocast_as(amp):  # torch's compile handles the user's autocast itself
             return compat.compile_fx(gm, example_inputs)

@@ -407,6 +407,31 @@ def test_gradient_clipping_on_the_sharded_gradients_matches_one_process(monkeypa
         assert abs(ours - one) <= 1e-5 * one, norms
 
 
+def test_a_graph_break_trains_on_simulated_ranks(monkeypatch):
+    """A graph break in each decoder layer's MLP (as a print or an unsupported call makes):
+    Dynamo hands the backend pieces, and one of them (the rotary tables) holds no DTensor, so
+    it is compiled as one device. With ``simulate`` its inputs are LocalTensors, which
+    Inductor cannot take ("unsupported operand type(s) for *: 'FunctionalTensor' and
+    'LocalTensor'"); it now runs as an FX graph, each op once per rank, and 2 AdamW steps
+    match one process."""
+    import transformers.models.llama.modeling_llama as llama_code
+
+    from dynamo_dist.testing.zoo.cell import run_cell
+    from dynamo_dist.testing.zoo.models import MODELS
+
+    mlp = llama_code.LlamaMLP.forward
+
+    def broken(self, x):
+        y = mlp(self, x)
+        torch._dynamo.graph_break()
+        return y
+
+    monkeypatch.setattr(llama_code.LlamaMLP, "forward", broken)
+    row = run_cell(MODELS["llama"], "tp=2", SimRuntime(), steps=2)
+    assert row["status"] == "parity", (row.get("error"), row.get("trace"), row.get("grad_worst"))
+    assert row["loss_rel"] <= 1e-5 and row["grad_rel"] <= 1e-4 and row["graphs"] > 1
+
+
 def test_a_padded_batch_with_an_attention_mask_trains_like_one_process():
     """Fine-tuning batches are padded: HF Llama with an ``attention_mask`` whose rows end in
     padding (transformers builds the 4-D mask from it by indexing) and the padded positions'
