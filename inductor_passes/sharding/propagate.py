@@ -324,11 +324,7 @@ def _classes(gm, primal_placements, origins, num_fwd_outputs, grad_placements, k
     weight where their placements differ); ``config.repeat_rounds`` rounds."""
     pinned = dict(zip(roles.primals(gm.graph), primal_placements))
     kind = dict(zip(roles.primals(gm.graph), (o.kind for o in origins)))
-    viewed = dict(pinned)  # node -> the pinned placement of the input it is a view of
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and str(n.target) in PARAMETER_VIEWS and n.args and \
-                isinstance(n.args[0], fx.Node) and n.args[0] in viewed:
-            viewed[n] = viewed[n.args[0]]
+    viewed = _through_views(gm, pinned)  # inputs and their views -> the input's pin
     lands: dict[fx.Node, list] = {}
     output = next(iter(gm.graph.find_nodes(op="output")))
     for i, o in enumerate(output.args[0]):
@@ -336,7 +332,7 @@ def _classes(gm, primal_placements, origins, num_fwd_outputs, grad_placements, k
             lands.setdefault(o, []).append(
                 "forward" if i < num_fwd_outputs else grad_placements[i - num_fwd_outputs])
     return repeat_classes(gm, keys, config.repeat_rounds,
-                          extra=lambda n: (pinned.get(n), kind.get(n), viewed.get(n),
+                          extra=lambda n: (viewed.get(n), kind.get(n),
                                            tuple(map(str, lands.get(n, ())))))
 
 
@@ -745,14 +741,20 @@ def parameter_views(gm: fx.GraphModule, origins, priced_axes: tuple[int, ...],
     token ids or labels, batch data on a data axis) and views/casts of them -> the mesh axes on
     which gathering them is priced as memory. ``parameters``: None takes every such DTensor
     input, True only parameters (``InputOrigin.parameter``), False only the others."""
-    found = {n: priced_axes for n, o in zip(roles.primals(gm.graph), origins)
-             if o.kind is roles.InputKind.DTENSOR and
-             (parameters is None or o.parameter == parameters) and
-             (n.meta["val"].is_floating_point() or n.meta["val"].is_complex())}
+    return _through_views(gm, {n: priced_axes for n, o in zip(roles.primals(gm.graph), origins)
+                              if o.kind is roles.InputKind.DTENSOR and
+                              (parameters is None or o.parameter == parameters) and
+                              (n.meta["val"].is_floating_point() or n.meta["val"].is_complex())})
+
+
+def _through_views(gm: fx.GraphModule, seeds: dict[fx.Node, object]) -> dict[fx.Node, object]:
+    """``seeds`` plus every chain of ``PARAMETER_VIEWS`` ops (first argument) from a seed, each
+    view mapped to its seed's value."""
+    found = dict(seeds)
     for node in gm.graph.nodes:
         if node.op == "call_function" and str(node.target) in PARAMETER_VIEWS and \
-                node.args and node.args[0] in found:
-            found[node] = priced_axes
+                node.args and isinstance(node.args[0], fx.Node) and node.args[0] in found:
+            found[node] = found[node.args[0]]
     return found
 
 
