@@ -16,7 +16,7 @@ from inductor_passes.core import compat
 from inductor_passes.core import inductor_fix  # noqa: F401  (installs the fix on import)
 from inductor_passes.core.collectives import collective_kind
 
-from . import comm, dedup, memory, outline, prefetch, schedule
+from . import comm, dedup, layer_partition, memory, outline, prefetch, schedule
 from .align_saves import align_saves
 
 # Part of Inductor's FX-graph cache key for our compiles: an artifact compiled before
@@ -192,12 +192,21 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
                              _issued(counts, buckets), outlined=outlined, predicted_peak=peak,
                              prefetched=prefetched)
     _tag_forward(local_gm, num_fwd_outputs)
-    partition = functools.partial(_partitioner(), local_gm, None, num_fwd_outputs=num_fwd_outputs,
-                                  static=_static_inputs(local_gm, resident))
-    fw_gm, bw_gm = partition()
+    partitioner, static = _partitioner(), _static_inputs(local_gm, resident)
+    partition = functools.partial(partitioner, local_gm, None, num_fwd_outputs=num_fwd_outputs,
+                                  static=static)
+
+    def split() -> tuple[fx.GraphModule, fx.GraphModule]:
+        # each distinct repeated layer partitioned once, its copies given the same split
+        by_layer = layer_partition.partition_by_layer(
+            local_gm, num_fwd_outputs, static, functools.partial(partitioner, inputs=None)) \
+            if partitioner is _min_cut else None
+        return by_layer or partition()
+
+    fw_gm, bw_gm = split()
     if inductor and outline.enabled() and align_saves(local_gm, fw_gm, num_fwd_outputs):
         # a layer saved other values than its copies: again, with their saves (see align_saves)
-        fw_gm, bw_gm = partition()
+        fw_gm, bw_gm = split()
     for gm in (fw_gm, bw_gm):  # the partitioner leaves a dead copy of a forced-save collective's input
         gm.graph.eliminate_dead_code()
         gm.recompile()
