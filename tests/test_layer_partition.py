@@ -13,27 +13,18 @@ from hypothesis import strategies as st
 from inductor_passes import compile as compile_mod
 from inductor_passes import layer_partition, outline
 from inductor_passes.core import compat
-
-D = 8
-
-
-class Block(torch.nn.Module):  # only its name is read: the module stack's type
-    pass
+from tests.test_outline import D, Block
+from tests.test_outline import _block as _outline_block
 
 
 def _block(x, w, variant: int):
-    """One layer: variants 0 and 1 differ in a constant only, 2 in ops; 3 draws random
-    numbers; 4 keeps a cheap pointwise chain the partitioner may recompute."""
-    scale = 0.5 if variant != 1 else 0.25
-    h = torch.relu(x @ w) * scale
-    h = h + torch.tanh(h) - h.mean(dim=-1, keepdim=True)
-    if variant == 2:
-        h = torch.sigmoid(h) * h
-    if variant == 3:
-        h = torch.nn.functional.dropout(h, 0.5)
+    """One layer: ``test_outline``'s variants (0 and 1 differ in a constant only, 2 in ops, 3
+    draws random numbers), and 4, variant 0 with a cheap pointwise tail the partitioner may
+    recompute."""
     if variant == 4:
-        h = (h * 1.5).sin().cos() * h
-    return x + h
+        y = _outline_block(x, w, 0)
+        return y + (y * 1.5).sin().cos() * y
+    return _outline_block(x, w, variant)
 
 
 def _joint(variants: list[int]):
@@ -130,15 +121,22 @@ def test_a_stack_partitioned_per_layer_computes_what_the_whole_graph_partition_d
 
 
 def test_every_copy_saves_the_same_values():
-    """The forward saves, for each layer, the values at the same positions of its nodes: one
-    backward body serves them all (what ``align_saves`` otherwise re-partitions for)."""
-    gm, *_ = _joint([4] * 4)
+    """The forward saves, for each copy partitioned as one, the values at the same positions
+    of its nodes: one backward body serves them all (what ``align_saves`` otherwise
+    re-partitions for). A copy's output is left out of the comparison: the next layer saves
+    it as its own input."""
+    gm, *_ = _joint([4] * 5)
+    (copies,) = outline.instances(gm).values()
+    assert len(copies) >= 3, [c.key for c in copies]
     fw, _ = _partitioned(gm, True)
     out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
     saved = {a.name for a in out[1:] if isinstance(a, fx.Node)}
-    groups = outline.instances(gm, lambda n: n.meta.get("partitioner_tag") == "is_forward")
-    (group,) = groups.values()
-    patterns = {tuple(n.name in saved for n in inst.nodes) for inst in group}
+    patterns = set()
+    for inst in copies:
+        members = set(inst.nodes)
+        inner = [n for n in inst.nodes if n.meta.get("partitioner_tag") == "is_forward"
+                 and all(u in members for u in n.users)]
+        patterns.add(tuple(n.name in saved for n in inner))
     assert len(patterns) == 1 and any(next(iter(patterns))), patterns
 
 
@@ -181,16 +179,9 @@ def test_random_stacks_partition_to_the_same_numbers(before, repeated, copies, a
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), variants
 
 
-def _llama_joint(mesh, monkeypatch, by_layer: bool):
-    """The demo Llama (4 layers) on a fake dp=2 x tp=2 mesh, ZeRO-3 over dp, one compiled
-    training step with ``align_saves`` off (so nothing but this pass aligns the layers);
-    returns the compile record's joint and how often the pass gave the graphs."""
-    from dynamo_dist import compile_records
-    from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
-    from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
-
-    monkeypatch.setattr(compile_mod, "align_saves", lambda *args: 0)
-    monkeypatch.setenv("DYNAMO_DIST_LAYER_PARTITION", "1" if by_layer else "0")
+@pytest.fixture
+def partitioned_per_layer(monkeypatch):
+    """A list that gets, for each call of ``partition_by_layer``, whether it gave the graphs."""
     used = []
     real = layer_partition.partition_by_layer
 
@@ -199,16 +190,26 @@ def _llama_joint(mesh, monkeypatch, by_layer: bool):
         used.append(got is not None)
         return got
     monkeypatch.setattr(layer_partition, "partition_by_layer", counted)
+    return used
+
+
+def _llama_joint(mesh, monkeypatch, by_layer: bool):
+    """The demo Llama (4 layers) on a fake dp=2 x tp=2 mesh, Megatron and ZeRO-3, one compiled
+    training step with ``align_saves`` off (so nothing but this pass aligns the layers);
+    returns the compile record's joint."""
+    from conftest import sharded_llama
+    from dynamo_dist import compile_records
+    from dynamo_dist.testing.models import LlamaSize, token_batch
+
+    monkeypatch.setattr(compile_mod, "align_saves", lambda *args: 0)
+    monkeypatch.setenv("DYNAMO_DIST_LAYER_PARTITION", "1" if by_layer else "0")
     size = LlamaSize(layers=4)
     torch.manual_seed(0)
-    model = build_llama(size)
-    plan = TensorParallelPlanner(axis="tp").build_plan(model)
-    shard_module(model, mesh, DataParallelPlanner(axis="dp", shard_params=True,
-                                                  mesh_axis_size=2).build_plan(model, plan))
+    model = sharded_llama(mesh, size)
     ids = token_batch(size, 0)
     torch._dynamo.reset()
     torch.compile(model, backend="dist")(input_ids=ids, labels=ids).loss.backward()
-    return compile_records()[-1].step.joint, used
+    return compile_records()[-1].step.joint
 
 
 def _collectives(gm: fx.GraphModule) -> dict[str, int]:
@@ -223,18 +224,18 @@ def _collectives(gm: fx.GraphModule) -> dict[str, int]:
 
 
 def test_llama_layers_partitioned_once_share_bodies_with_the_same_collectives(
-        fake_mesh, monkeypatch):
+        fake_mesh, monkeypatch, partitioned_per_layer):
     """Demo Llama, dp=2 x tp=2: partitioned per layer, every forward and backward layer calls
     one body with no second partition (``align_saves`` off), and the forward and backward
     graphs hold the collectives the whole-graph partition's hold (none recomputed, none
     moved between them)."""
     mesh = fake_mesh((2, 2), ("dp", "tp"))
-    joint, used = _llama_joint(mesh, monkeypatch, by_layer=True)
-    assert used == [True]
+    joint = _llama_joint(mesh, monkeypatch, by_layer=True)
+    assert partitioned_per_layer == [True]
     assert [len(layers) for layers, _ in joint.outlined[0].bodies.values()] == [4]
     assert [len(layers) for layers, _ in joint.outlined[1].bodies.values()] == [4]
-    whole, used = _llama_joint(mesh, monkeypatch, by_layer=False)
-    assert used == [False]
+    whole = _llama_joint(mesh, monkeypatch, by_layer=False)
+    assert partitioned_per_layer == [True, False]
     assert _collectives(joint.fw_graph) == _collectives(whole.fw_graph)
     assert _collectives(joint.bw_graph) == _collectives(whole.bw_graph)
     # no more saved for the backward than the whole-graph partition saves
@@ -261,22 +262,16 @@ def _four_layers(name: str):
     ("llama", "dp=2,tp=2", False, True), ("qwen2", "tp=2", False, True),
     ("gemma", "tp=2", False, True), ("llama", "tp=2", True, False)])
 def test_zoo_models_partitioned_per_layer_train_like_one_process(model, mesh, checkpointing,
-                                                                  per_layer, monkeypatch):
+                                                                  per_layer,
+                                                                  partitioned_per_layer):
     """Simulated ranks, 2 AdamW steps of a 4-layer model against one process, with the pass
     in use, or (transformers' gradient checkpointing: the partitioner threads an RNG state
     from the layer's forward to its recompute, not a saved value) left to the whole-graph
     partition."""
     from dynamo_dist.testing.zoo.cell import SimRuntime, run_cell
 
-    used = []
-    real = layer_partition.partition_by_layer
-
-    def counted(*args, **kwargs):
-        got = real(*args, **kwargs)
-        used.append(got is not None)
-        return got
-    monkeypatch.setattr(layer_partition, "partition_by_layer", counted)
     row = run_cell(_four_layers(model), mesh, SimRuntime(), steps=2,
                    checkpointing=checkpointing)
     assert row["status"] == "parity", row
+    used = partitioned_per_layer
     assert used and set(used) == {per_layer}, used
