@@ -187,11 +187,20 @@ def _align_the_rest(joint: fx.GraphModule, plans: list[tuple[_Instance, _Split, 
     return marked
 
 
+def _attr(module: torch.nn.Module, target: str) -> Any:
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
 def _outer(joint: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]
            ) -> fx.GraphModule:
     """``joint`` with each planned instance's forward and backward nodes replaced by one call
     of its group's bodies each (attributes ``<name>_fw`` / ``<name>_bw``)."""
-    root = torch.nn.Module()
+    # the joint's own attributes (a tensor constant: GPT-Neo's local-attention mask) and the
+    # bodies, by qualified name
+    root: dict[str, Any] = {n.target: _attr(joint, n.target)
+                            for n in joint.graph.find_nodes(op="get_attr")}
     graph = fx.Graph()
     unit_of: dict[fx.Node, tuple[int, bool]] = {}  # node -> (plan index, forward part)
     for p, (inst, _, _) in enumerate(plans):
@@ -204,7 +213,7 @@ def _outer(joint: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]
 
     def attr(name: str, gm: fx.GraphModule) -> fx.Node:
         if name not in attrs:  # moved ahead of every call at the end
-            setattr(root, name, gm)
+            root[name] = gm
             attrs[name] = graph.get_attr(name)
         return attrs[name]
 

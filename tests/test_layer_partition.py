@@ -247,6 +247,11 @@ def _four_layers(name: str):
     first and last layer, which differ, the only ones)."""
     from dynamo_dist.testing.zoo import models as zoo
 
+    if name == "gpt_neo":  # global and windowed local attention alternate: 2 distinct layers
+        return zoo.ZooModel(name, "4 layers", zoo._hf(
+            "GPTNeoForCausalLM", "GPTNeoConfig", hidden_size=zoo.HIDDEN, num_layers=4,
+            num_heads=zoo.HEADS, attention_types=[[["global", "local"], 2]],
+            max_position_embeddings=64, window_size=8, **zoo._LM), zoo._lm_batch)
     config = {"llama": ("LlamaForCausalLM", "LlamaConfig", {}),
               "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
               "gemma": ("GemmaForCausalLM", "GemmaConfig",
@@ -260,12 +265,14 @@ def _four_layers(name: str):
 
 @pytest.mark.parametrize("model,mesh,checkpointing,per_layer", [
     ("llama", "dp=2,tp=2", False, True), ("qwen2", "tp=2", False, True),
-    ("gemma", "tp=2", False, True), ("llama", "tp=2", True, False)])
+    ("gemma", "tp=2", False, True), ("gpt_neo", "tp=2", False, True),
+    ("llama", "tp=2", True, False)])
 def test_zoo_models_partitioned_per_layer_train_like_one_process(model, mesh, checkpointing,
                                                                   per_layer,
                                                                   partitioned_per_layer):
     """Simulated ranks, 2 AdamW steps of a 4-layer model against one process, with the pass
-    in use, or (transformers' gradient checkpointing: the partitioner threads an RNG state
+    in use (GPT-Neo: its local-attention mask is a tensor constant of the graph, which the
+    outer graph must carry; it crashed), or (transformers' gradient checkpointing: the partitioner threads an RNG state
     from the layer's forward to its recompute, not a saved value) left to the whole-graph
     partition."""
     from dynamo_dist.testing.zoo.cell import SimRuntime, run_cell
