@@ -272,9 +272,9 @@ def test_zoo_models_partitioned_per_layer_train_like_one_process(model, mesh, ch
                                                                   partitioned_per_layer):
     """Simulated ranks, 2 AdamW steps of a 4-layer model against one process, with the pass
     in use (GPT-Neo: its local-attention mask is a tensor constant of the graph, which the
-    outer graph must carry; it crashed), or (transformers' gradient checkpointing: the partitioner threads an RNG state
-    from the layer's forward to its recompute, not a saved value) left to the whole-graph
-    partition."""
+    outer graph must carry; it crashed), or left to the whole-graph partition (transformers'
+    gradient checkpointing: the partitioner threads an RNG state from the layer's forward to
+    its recompute, not a saved value)."""
     from dynamo_dist.testing.zoo.cell import SimRuntime, run_cell
 
     row = run_cell(_four_layers(model), mesh, SimRuntime(), steps=2,
