@@ -187,19 +187,13 @@ def _align_the_rest(joint: fx.GraphModule, plans: list[tuple[_Instance, _Split, 
     return marked
 
 
-def _attr(module: torch.nn.Module, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
-
-
 def _outer(joint: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]
            ) -> fx.GraphModule:
     """``joint`` with each planned instance's forward and backward nodes replaced by one call
     of its group's bodies each (attributes ``<name>_fw`` / ``<name>_bw``)."""
     # the joint's own attributes (a tensor constant: GPT-Neo's local-attention mask) and the
     # bodies, by qualified name
-    root: dict[str, Any] = {n.target: _attr(joint, n.target)
+    root: dict[str, Any] = {n.target: operator.attrgetter(n.target)(joint)
                             for n in joint.graph.find_nodes(op="get_attr")}
     graph = fx.Graph()
     unit_of: dict[fx.Node, tuple[int, bool]] = {}  # node -> (plan index, forward part)
@@ -233,7 +227,7 @@ def _outer(joint: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]
         node.meta["val"] = tuple(vals)
         node.meta["partitioner_tag"] = tag
         node.meta[_PLAN] = p
-        compat.mark_must_save(node)  # never recomputed: its outputs are saved or recomputed
+        compat.mark_must_save(node)  # never recomputed: the cut lies at its outputs
         items = []
         for k, val in enumerate(vals):
             item = graph.create_node("call_function", operator.getitem, (node, k), {},
