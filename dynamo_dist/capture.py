@@ -35,6 +35,7 @@ from inductor_passes.sharding.rules import PLANNED_WHOLE
 from inductor_passes.sharding.rules.embedding import own_backward_indices
 
 from .annotations import pin_placements, refuse_strided_nesting
+from .layer_capture import LayerCapture
 from .manual import mark_manual
 from .spmd import input_annotation
 
@@ -381,8 +382,11 @@ class _GlobalInterpreter(fx.Interpreter):
     """
 
     def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh | None,
-                 known: dict[int, tuple[Any, tuple]], inputs: dict[int, int]) -> None:
+                 known: dict[int, tuple[Any, tuple]], inputs: dict[int, int],
+                 layers: LayerCapture | None = None, recording: bool = False) -> None:
         super().__init__(gm)
+        self.layers = layers  # copies repeated layers (``layer_capture``)
+        self.recording = recording  # a run before the trace: layers note their inputs
         self.mesh = mesh
         self.known = known
         self.inputs = inputs               # id of an input tensor -> its tensor-input position
@@ -402,6 +406,11 @@ class _GlobalInterpreter(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         self._node = n
+        if self.layers is not None:
+            if self.recording:
+                self.layers.record(self.env, n)
+            elif self.layers.stamp(self.env, n, self._manual):
+                return self.env[n]  # the whole layer, copied from its group's layer joint
         out = super().run_node(n)
         if n.op != "output" and any(id(t) in self._manual for t in _tensors(out)):
             self.manual_nodes.add(n.name)
@@ -609,7 +618,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
     manual_nodes: set[str] = set()
     manual_inputs: set[int] = set()
 
-    def run_forward(*tensors):
+    def run_forward(*tensors, recording: bool = False):
         # a size input that a guard fixed (symbolic.specialise) is that number from here on
         args = list(map(compat.fixed_size, example_inputs))
         for info in infos:
@@ -621,7 +630,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
             positions[id(t)] = k
             if info.placements is not None:  # a DTensor, or a plain tensor mark_sharding annotated
                 known[id(t)] = (info.mesh, info.placements)
-        interp = _GlobalInterpreter(gm, mesh, known, positions)
+        interp = _GlobalInterpreter(gm, mesh, known, positions, layers, recording)
         with torch.fx.traceback.preserve_node_meta():
             out = interp.run(*args)
         local_outputs.update(interp.local_outputs)
@@ -629,10 +638,24 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
         manual_inputs.update(interp.manual_inputs)
         return out
 
+    # out= overloads stay as they are (functionalisation rewrites them); their decompositions
+    # call the functional op with out= and fail. Ops whose decomposition merges the dims a plan
+    # splits (max pool's backward views [N, C, ...] as [N * C, ...]) are planned whole; lowering
+    # decomposes them on local shapes, so Inductor still sees the decomposed form.
+    decomp = {op: fn for op, fn in compat.select_decomp_table().items()
+              if not (hasattr(op, "_schema") and any(a.is_out for a in op._schema.arguments))
+              and op not in PLANNED_WHOLE}
+    decomp.update(foreach_decompositions())
+    # repeated layers are traced once and copied (a forward-only program is traced as it is)
+    layers = LayerCapture(gm) if not forward_only else None
+
     # Forward once on fakes to learn which outputs are differentiable.
     with fake_mode, torch.set_grad_enabled(not forward_only), \
             _leaf_mutation_explained(tensor_infos):
-        outs = run_forward(*primals)
+        outs = run_forward(*primals, recording=True)
+    if layers is not None and layers.groups:
+        with _leaf_mutation_explained(tensor_infos):
+            layers.trace_joints(lambda sub: _GlobalInterpreter(sub, mesh, {}, {}), decomp)
     flat_outs, out_spec = pytree.tree_flatten(outs)
     diff_outputs = [i for i, o in enumerate(flat_outs)
                     if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -668,14 +691,6 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
                         grads[k] = g
         return (*flat, *grads)
 
-    # out= overloads stay as they are (functionalisation rewrites them); their decompositions
-    # call the functional op with out= and fail. Ops whose decomposition merges the dims a plan
-    # splits (max pool's backward views [N, C, ...] as [N * C, ...]) are planned whole; lowering
-    # decomposes them on local shapes, so Inductor still sees the decomposed form.
-    decomp = {op: fn for op, fn in compat.select_decomp_table().items()
-              if not (hasattr(op, "_schema") and any(a.is_out for a in op._schema.arguments))
-              and op not in PLANNED_WHOLE}
-    decomp.update(foreach_decompositions())
     with compat.disable_local_tensor_mode(), _leaf_mutation_explained(tensor_infos), \
             compat.checkpoint_cache_may_be_mutated():
         joint_gm = compat.make_fx(
@@ -686,6 +701,11 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
         )(primals, tangents)
         if _mutates(joint_gm):
             joint_gm = _functionalize(joint_gm, primals, tangents)
+    if layers is not None and layers.groups:
+        # (layer runs copied, runs of a traced group traced op by op): tests and benchmarks
+        joint_gm.meta["dynamo_dist_layer_capture"] = (layers.stamped, layers.traced)
+        log.info("dynamo_dist: %d layer runs captured as copies of %d traced layer(s)",
+                 layers.stamped, len(layers.joints))
     mutated = _lift_input_mutations(joint_gm, len(flat_outs), mesh, tensor_infos)
     names = {roles.primal_name(k): info.name for k, info in enumerate(tensor_infos)}
     _check_functional(joint_gm, names)

@@ -105,7 +105,7 @@ class _Recording:
     usable: bool = True
 
 
-class _NotStamped(Exception):
+class NotStamped(Exception):
     """This segment is lowered node by node (the reason is the message)."""
 
 
@@ -147,7 +147,7 @@ class LayerStamper:
                         self.done.update(inst.nodes)
                         self.stamped += 1
                         return True
-                    except _NotStamped as why:
+                    except NotStamped as why:
                         log.debug("dynamo_dist: %s lowered node by node: %s",
                                   inst.nodes[0].name, why)
                 self.lowered += 1
@@ -202,7 +202,7 @@ class LayerStamper:
 
     # --- stamping another segment -----------------------------------------------------------
     def _stamp(self, rec: _Recording, inst: _Instance) -> None:
-        """Copy ``rec``'s local nodes for ``inst``; raises _NotStamped (before touching the
+        """Copy ``rec``'s local nodes for ``inst``; raises NotStamped (before touching the
         trace) where the copy could differ from lowering ``inst`` node by node."""
         R = rec.inst
         gmap: dict[fx.Node, fx.Node] = dict(zip(R.nodes, inst.nodes))
@@ -219,9 +219,9 @@ class LayerStamper:
                     pairs.append((vx, vx))
                 continue
             if not (_fake(vx) and _fake(vy)):  # a constant: its values are not in the signature
-                raise _NotStamped(f"input {y.name} is not one traced (fake) tensor")
+                raise NotStamped(f"input {y.name} is not one traced (fake) tensor")
             if _layout(vx) != _layout(vy):
-                raise _NotStamped(f"input {y.name} has another local layout")
+                raise NotStamped(f"input {y.name} has another local layout")
             lmap[self._node(vx)] = self._node(vy)
             pairs.append((vx, vy))
             objs[lmap[self._node(vx)]] = vy
@@ -236,9 +236,9 @@ class LayerStamper:
                 pairs.append((self.cache[(a, req)], self.cache[(a, req)]))
                 continue
             if ((b, req) in self.cache) != hit:
-                raise _NotStamped(f"the move of {b.name} to {req} is cached differently")
+                raise NotStamped(f"the move of {b.name} to {req} is cached differently")
             if self.direct(a, req) != self.direct(b, req):  # e.g. an input that is a view
-                raise _NotStamped(f"{b.name} would be moved otherwise (through what it "
+                raise NotStamped(f"{b.name} would be moved otherwise (through what it "
                                   f"re-indexes, or not)")
             if hit:
                 ra, rb = self.cache[(a, req)], self.cache[(b, req)]
@@ -246,13 +246,13 @@ class LayerStamper:
                 objs[lmap[self._node(ra)]] = rb
                 pairs.append((ra, rb))
         inside = set(rec.local)
-        fakes = _FakeCopier(self.fake_mode, pairs)
+        fakes = FakeCopier(self.fake_mode, pairs)
         vals: dict[fx.Node, Any] = {}
         for n in rec.local:  # dry run: nothing is added to the trace before every check passed
             ins = n.all_input_nodes
             for a in ins:
                 if a not in inside and a not in lmap and a not in shared:
-                    raise _NotStamped(f"{n.name} reads {a.name}, made outside the segment")
+                    raise NotStamped(f"{n.name} reads {a.name}, made outside the segment")
             if n.op == "get_attr" or n in reused:  # a constant, a move of a shared value
                 reused.add(n)
                 fakes.keep(n.meta.get("val"))
@@ -310,7 +310,7 @@ class LayerStamper:
     def _node(self, t: torch.Tensor) -> fx.Node:
         node = compat.proxy_node(t, self.tracer)
         if node is None:
-            raise _NotStamped("a value the trace does not track")
+            raise NotStamped("a value the trace does not track")
         return node
 
 
@@ -342,11 +342,11 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-class _FakeCopier:
+class FakeCopier:
     """Fresh fake values for copied nodes, aliasing as the representative's do: a value in the
     storage of a mapped one (an input, a cached move) becomes a view of its counterpart, one in
     a storage first made inside the segment a view of a new storage of the same size. Raises
-    _NotStamped for a storage viewed with another dtype."""
+    NotStamped for a storage viewed with another dtype."""
 
     def __init__(self, fake_mode, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
         self.fake_mode = fake_mode
@@ -375,7 +375,7 @@ class _FakeCopier:
         if _key(t) in self.storage:
             r0, m0 = self.storage[_key(t)]
             if m0.dtype != t.dtype:
-                raise _NotStamped("a storage viewed with another dtype")
+                raise NotStamped("a storage viewed with another dtype")
             offset = t.storage_offset() - r0.storage_offset() + m0.storage_offset()
             base = self.meta.get(id(m0))
             if base is not None:
@@ -389,7 +389,7 @@ class _FakeCopier:
         else:
             nbytes, size = t.untyped_storage().nbytes(), t.element_size()
             if nbytes % size:
-                raise _NotStamped("a storage of odd size")
+                raise NotStamped("a storage of odd size")
             with compat.no_dispatch_modes():
                 if t.storage_offset() == 0 and nbytes == _extent(t) * size:
                     meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,

@@ -1,0 +1,243 @@
+"""Capturing each distinct repeated layer once (``dynamo_dist.layer_capture``): the joint graph
+made by copying a traced layer is the op-by-op trace node for node (ops, arguments, values and
+their storage sharing, module stacks, stack traces, source records, names), layers that cannot
+be copied are traced as before, and models whose layers are copied train at parity."""
+
+import pytest
+import torch
+import torch.fx as fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dynamo_dist.backend as backend
+from dynamo_dist import layer_capture
+from dynamo_dist.capture import trace_joint
+from dynamo_dist.testing.models import LlamaSize, token_batch
+
+from conftest import lm_steps_at_parity, sharded_llama, simulated_llama
+
+_TRACE = backend.trace_joint
+
+
+def _canonical(gm: fx.GraphModule) -> list:
+    """Every node by position: op, target, name, arguments (nodes as positions), value layout
+    and storage sharing, and the metadata capture sets."""
+    index: dict[fx.Node, int] = {}
+    first: dict[int, int] = {}
+    out = []
+    for k, n in enumerate(gm.graph.nodes):
+        index[n] = k
+        v = n.meta.get("val")
+        layout = (tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.requires_grad,
+                  first.setdefault(v.untyped_storage()._cdata, k)) \
+            if isinstance(v, torch.Tensor) else repr(type(v))
+        stack = n.meta.get("nn_module_stack")
+        out.append((n.op, str(n.target), n.name,
+                    repr(fx.map_arg((n.args, n.kwargs), lambda a: ("node", index[a]))), layout,
+                    tuple(map(str, stack.values())) if stack else None,
+                    n.meta.get("stack_trace"), repr(n.meta.get("source_fn_stack")),
+                    [s.name for s in n.meta.get("from_node", [])],
+                    str(n.meta.get("original_aten")), n.meta.get("autograd_backward"),
+                    n.meta.get("is_gradient_acc"), sorted(n.meta)))
+    return out
+
+
+def _captured_both_ways(monkeypatch) -> list:
+    """Make the backend capture each graph twice, op by op ("0") and copying layers ("1"),
+    keeping (copy counts, canonical graph) of each; the copied one is compiled."""
+    runs: list = []
+
+    def trace(*args, **kwargs):
+        got = {}
+        for flag in ("0", "1"):
+            monkeypatch.setenv("DYNAMO_DIST_CAPTURE_STAMP", flag)
+            program = _TRACE(*args, **kwargs)
+            gm = program.graph_module
+            got[flag] = (gm.meta.get("dynamo_dist_layer_capture"), _canonical(gm))
+        runs.append(got)
+        return program
+
+    monkeypatch.setattr(backend, "trace_joint", trace)
+    return runs
+
+
+def _assert_same(got: dict) -> tuple:
+    (counts, graph), (none, flat) = got["1"], got["0"]
+    assert none is None
+    for k, (a, b) in enumerate(zip(graph, flat)):
+        assert a == b, (k, a, b)
+    assert len(graph) == len(flat)
+    return counts
+
+
+@pytest.mark.parametrize("axes", [((2, 2), ("dp", "tp")), ((2,), ("tp",))])
+def test_a_copied_layer_is_the_layer_traced_op_by_op(fake_mesh, monkeypatch, axes):
+    """A 6-layer Llama (FSDP x Megatron, or Megatron alone): captured with and without copying,
+    the same joint graph node for node; all six layers were copies of one traced layer."""
+    size = LlamaSize(layers=6, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256,
+                     seq=32, batch=4)
+    runs = _captured_both_ways(monkeypatch)
+    model = sharded_llama(fake_mesh(*axes), size)
+    compiled = torch.compile(model, backend="dist", options={"inductor": False})
+    ids = token_batch(size, 0)
+    compiled(input_ids=ids, labels=ids).loss.backward()
+    assert len(runs) == 1
+    assert _assert_same(runs[0]) == (6, 0)
+
+
+def test_a_model_with_copied_layers_trains_at_parity(fake_mesh):
+    """transformers' Llama, 4 layers, dp=2 x tp=2 on simulated ranks, its layers captured as
+    copies: two steps' losses and gradients equal one process's."""
+    from dynamo_dist.testing.zoo.cell import SimRuntime
+
+    rt = SimRuntime()
+    size = LlamaSize(layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256,
+                     seq=16, batch=4)
+    ref, model = simulated_llama(rt, {"dp": 2, "tp": 2}, size)
+    compiled = torch.compile(model, backend="dist", options=rt.options())
+    seen = []
+    inner = backend.trace_joint
+
+    def trace(*args, **kwargs):
+        program = inner(*args, **kwargs)
+        seen.append(program.graph_module.meta.get("dynamo_dist_layer_capture"))
+        return program
+
+    backend.trace_joint = trace
+    try:
+        lm_steps_at_parity(compiled, model, ref, rt,
+                           [token_batch(size, step) for step in range(2)])
+    finally:
+        backend.trace_joint = inner
+    assert seen == [(4, 0)]
+
+
+def test_the_switch_names_its_values(monkeypatch):
+    monkeypatch.setenv("DYNAMO_DIST_CAPTURE_STAMP", "yes")
+    with pytest.raises(ValueError, match="DYNAMO_DIST_CAPTURE_STAMP='yes'.*fix"):
+        layer_capture.enabled()
+
+
+class _Block(torch.nn.Module):
+    """A residual MLP layer; ``kind`` 1 adds a norm, 2 a dropout (random: never copied), 3
+    returns a second value that nothing reads (its gradient is zero)."""
+
+    def __init__(self, kind: int, d: int = 16, h: int = 24):
+        super().__init__()
+        self.kind = kind
+        self.up, self.down = torch.nn.Linear(d, h), torch.nn.Linear(h, d)
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, x):
+        y = self.norm(x) if self.kind == 1 else x
+        y = torch.nn.functional.gelu(self.up(y))
+        if self.kind == 2:
+            y = torch.nn.functional.dropout(y, 0.1, training=True)
+        out = x + self.down(y) * 0.5
+        return (out, y.sum(-1)) if self.kind == 3 else (out, None)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, kinds: list[int], transposed: list[bool]):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block(k) for k in kinds)
+        self.transposed = transposed
+
+    def forward(self, x):
+        seen = 0.0
+        for layer, t in zip(self.layers, self.transposed):
+            # a layer fed a transposed view: its input layout differs from the traced layer's
+            x, aux = layer(x.t().contiguous().t() if t else x)
+            if aux is not None:  # read, but no gradient flows back into the layer through it
+                seen = seen + aux.detach().mean()
+        return x.square().mean() + seen
+
+
+def _dynamo_graph(model, *inputs):
+    seen = {}
+
+    def grab(gm, example_inputs):
+        seen["gm"], seen["inputs"] = gm, example_inputs
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=grab, fullgraph=True)(*inputs)
+    return seen["gm"], seen["inputs"]
+
+
+def _run_joint(program, inputs) -> list[torch.Tensor]:
+    """The joint graph run on real values: forward outputs and gradients."""
+    args = [inputs[i.index] for i in program.primal_inputs]
+    tangents = [torch.ones(()) for _ in program.diff_outputs]
+    return [o for o in program.graph_module(args, tangents) if isinstance(o, torch.Tensor)]
+
+
+def test_random_stacks_capture_alike_with_and_without_copies(monkeypatch):
+    """Stacks of random layer kinds (repeats and not; dropout layers; an output nobody reads;
+    some layers fed another input layout): the copied capture equals the op-by-op one node for
+    node where nothing forces an extra node, and computes the same values always; every layer
+    of a repeated, non-random kind was copied or (fed another layout) traced op by op."""
+
+    @settings(max_examples=20, deadline=None, derandomize=True)
+    @given(kinds=st.lists(st.sampled_from([0, 0, 1, 2, 3]), min_size=2, max_size=6),
+           transposed=st.data())
+    def check(kinds, transposed):
+        _check_stack(monkeypatch, kinds, transposed)
+
+    check()
+
+
+def _check_stack(monkeypatch, kinds, transposed):
+    flags = transposed.draw(st.lists(st.booleans(), min_size=len(kinds), max_size=len(kinds)))
+    torch.manual_seed(0)
+    model = _Stack(kinds, flags)
+    x = torch.randn(6, 16, requires_grad=True)  # every layer's input then requires grad
+    gm, inputs = _dynamo_graph(model, x)
+    programs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("DYNAMO_DIST_CAPTURE_STAMP", flag)
+        programs[flag] = trace_joint(gm, inputs)
+    counts = programs["1"].graph_module.meta.get("dynamo_dist_layer_capture")
+    # a group is every layer of one kind (Dynamo's graph does not show the input's layout):
+    # each member is copied, or traced op by op where its input's layout at trace time is
+    # not the first member's (a transposed input's layout can carry through the residual)
+    groups = [sum(k == kind for k in kinds) for kind in {k for k in kinds if k != 2}]
+    members = sum(n for n in groups if n > 1)
+    copied, traced = counts or (0, 0)
+    assert copied + traced == members, (kinds, flags, counts)
+    assert copied >= sum(n > 1 for n in groups), (kinds, flags, counts)
+    if not any(flags):
+        assert traced == 0, (kinds, counts)
+    if 3 not in kinds:  # no zero gradient made for an unread output
+        flat, stamped = _canonical(programs["0"].graph_module), \
+            _canonical(programs["1"].graph_module)
+        assert stamped == flat
+    torch.manual_seed(1)
+    want = _run_joint(programs["0"], inputs)
+    torch.manual_seed(1)
+    got = _run_joint(programs["1"], inputs)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_checkpointed_layers_are_traced_op_by_op(monkeypatch):
+    """A layer under activation checkpointing is a higher-order op in Dynamo's graph (its body
+    a graph attribute): never copied, and the capture is the op-by-op one."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Stack(_Stack):
+        def forward(self, x):
+            for layer in self.layers:
+                x, _ = checkpoint(layer, x, use_reentrant=False)
+            return x.square().mean()
+
+    model = Stack([0, 0, 0], [False] * 3)
+    gm, inputs = _dynamo_graph(model, torch.randn(6, 16))
+    graphs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("DYNAMO_DIST_CAPTURE_STAMP", flag)
+        program = trace_joint(gm, inputs)
+        graphs[flag] = _canonical(program.graph_module)
+        assert program.graph_module.meta.get("dynamo_dist_layer_capture") is None
+    assert graphs["0"] == graphs["1"]
