@@ -12,9 +12,12 @@ inputs of the same layouts trace to the same ATen nodes. Here:
   op's body: activation checkpointing) or ``torch.autograd.grad`` is never copied.
 - **The layer joint.** For each group of copies, its first run is traced alone on fakes of its
   inputs, forward and backward (``autograd.grad`` of its outputs), as capture traces the whole
-  program: the same decompositions, module stacks and stack traces. It is refused (the group
-  is traced op by op, as before) when an op mutates, draws random numbers or is not an ATen op,
-  a size is symbolic, or an output is a view of an input.
+  program: the same decompositions, module stacks and stack traces. Its tensor constants (a KV
+  cache's ``torch.tensor([])``) are made anew for each copy; in-place writes to values made
+  inside the layer (a dropout's ``bernoulli_``, Mixtral's router ``div_``) and random draws are
+  copied in order. It is refused (the group is traced op by op, as before) when an op is not
+  an ATen op or writes one of the layer's inputs, a size is symbolic, an input is neither a
+  tensor nor a constant, or an output is a view of an input.
 - **Stamping.** In the whole-program trace every run of the group is one
   ``torch.autograd.Function``: its forward adds the layer joint's forward nodes to the trace
   with this run's inputs, fresh fake values (aliasing as the layer joint's do) and this run's
@@ -35,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import warnings
 from typing import Any, Callable
 
@@ -45,7 +49,6 @@ import torch.utils._pytree as pytree
 from inductor_passes.core import compat
 from inductor_passes.core.layers import layer_of
 from inductor_passes.outline import switch
-from inductor_passes.schedule import movable
 from inductor_passes.stamp import FakeCopier, NotStamped
 
 log = logging.getLogger("dynamo_dist.layer_capture")
@@ -93,6 +96,7 @@ class LayerJoint:
     differentiable: list[bool]    # per run output
     split: fx.Node | None
     names: dict[str, int]         # the run's node names in the traced graph -> position
+    attrs: dict[str, torch.Tensor]  # its tensor constants, by attribute name
 
 
 def _canon(a: Any, index: dict[fx.Node, int], external: dict[fx.Node, int]) -> Any:
@@ -184,6 +188,28 @@ def _sub_module(gm: fx.GraphModule, run: Run) -> tuple[fx.GraphModule, dict[str,
     return fx.GraphModule(gm, graph), {env[n].name: k for k, n in enumerate(run.nodes)}
 
 
+def _copyable(node: fx.Node, inputs_held: set[int]) -> bool:
+    """``node`` is an ATen op (or a getitem) that writes in place, if at all, only values made
+    inside the layer (Mixtral's router normalises its weights with ``div_``, a dropout fills
+    its mask with ``bernoulli_``). Copied as it is, the program is functionalised as a whole
+    afterwards, as the op-by-op trace is, and random draws run in the same order."""
+    op = node.target
+    if node.op != "call_function":
+        return False
+    if op is operator.getitem:
+        return True
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    for arg, value in zip(op._schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            val = value.meta.get("val") if isinstance(value, fx.Node) else None
+            if not isinstance(val, torch.Tensor) or \
+                    val.untyped_storage()._cdata in inputs_held:
+                return False
+    return not any(a.alias_info is not None and a.alias_info.is_write and a.kwarg_only
+                   for a in op._schema.arguments)
+
+
 def trace_layer_joint(gm: fx.GraphModule, run: Run, values: list[Any], interpreter: Callable,
                       decomp: dict) -> LayerJoint:
     """Trace ``run`` alone on ``values`` (its inputs' fakes from a forward run of the program):
@@ -237,13 +263,22 @@ def trace_layer_joint(gm: fx.GraphModule, run: Run, values: list[Any], interpret
         traced = compat.make_fx(joint, decomposition_table=decomp, tracing_mode="fake",
                                 record_stack_traces=True)(ins, tangents)
     graph = traced.graph
+    attrs: dict[str, torch.Tensor] = {}
+    inputs_held = {p.meta["val"].untyped_storage()._cdata
+                   for p in graph.find_nodes(op="placeholder")
+                   if isinstance(p.meta.get("val"), torch.Tensor)}
     for n in graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
-        if not movable(n):
-            raise _Unsupported(f"{n.target} (random, mutating or not an ATen op)")
-        if "eager_input_vals" in n.meta:
-            raise _Unsupported(f"{n.target} records its inputs' values")
+        if n.op == "get_attr":  # a tensor the layer made from data (``torch.tensor([])``)
+            value = getattr(traced, n.target)
+            if not isinstance(value, torch.Tensor) or _plain(value) or \
+                    getattr(value, "fake_mode", None) is not None:
+                raise _Unsupported(f"attribute {n.target} is not a constant tensor")
+            attrs[n.target] = value
+            continue
+        if not _copyable(n, inputs_held):
+            raise _Unsupported(f"{n.target} (writes an input, or not an ATen op)")
         if any(isinstance(t, torch.Tensor) and compat.has_symbolic_shape(t)
                for t in pytree.tree_leaves(n.meta.get("val"))):
             raise _Unsupported("a symbolic size")
@@ -253,7 +288,7 @@ def trace_layer_joint(gm: fx.GraphModule, run: Run, values: list[Any], interpret
     first_bw = None if first_bw.op == "output" else first_bw
     return LayerJoint(graph, tensor_inputs, constants,
                       [_layout(values[k]) for k in tensor_inputs], differentiable, first_bw,
-                      names)
+                      names, attrs)
 
 
 def _freeze(stack: Any) -> Any:
@@ -302,7 +337,7 @@ class _Emitter:
                 self.fakes.storage.setdefault(r.untyped_storage()._cdata, (r, m))
 
     def _meta(self, meta: dict) -> dict:
-        out = {k: v for k, v in meta.items() if k not in ("val", "tensor_meta")}
+        out = {k: v for k, v in meta.items() if k not in ("val", "tensor_meta", "eager_input_vals")}
         key = _freeze(meta.get("nn_module_stack"))
         if key in self.stacks:
             out["nn_module_stack"] = self.stacks[key]
@@ -327,12 +362,26 @@ class _Emitter:
         graph = self.tracer.graph
         n = start
         while n is not None and n is not stop and n.op != "output":
+            if n.op == "get_attr":  # each run makes its constant anew, as the layer's code does
+                new = self._constant(self.joint.attrs[n.target])
+                new.meta.update(self._meta(n.meta))
+                val = n.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    new.meta["val"] = val = self.fakes.copy(val)
+                    if "tensor_meta" in n.meta:
+                        new.meta["tensor_meta"] = n.meta["tensor_meta"]
+                self.env[n], self.vals[n] = new, val
+                n = n.next
+                continue
             args, kwargs = fx.map_arg((n.args, n.kwargs), self.env.__getitem__)
             # named as make_fx names an op's node (by its overload packet)
             packet = getattr(n.target, "overloadpacket", None)
             name = graph._target_to_str(packet.__name__) if packet is not None else None
             new = graph.create_node(n.op, n.target, args, kwargs, name, n.type)
             new.meta.update(self._meta(n.meta))
+            if "eager_input_vals" in n.meta:  # a custom op's inputs as it saw them: this run's
+                new.meta["eager_input_vals"] = fx.map_arg(
+                    (tuple(args), dict(kwargs)), lambda a: a.meta.get("val"))
             val = n.meta.get("val")
             if isinstance(val, torch.Tensor):
                 val = self.fakes.copy(val)
@@ -344,6 +393,16 @@ class _Emitter:
                 new.meta["val"] = val
             self.env[n], self.vals[n] = new, val
             n = n.next
+
+    def _constant(self, value: torch.Tensor) -> fx.Node:
+        """A ``get_attr`` of a copy of ``value``, registered as make_fx registers a tensor
+        constant it meets (``Tracer.create_arg``)."""
+        with compat.no_dispatch_modes():  # a real tensor, as the layer's code made it
+            value = value.clone()
+        qualname = self.tracer.get_fresh_qualname("_tensor_constant")
+        self.tracer.tensor_attrs[value] = qualname
+        setattr(self.tracer.root, qualname, value)
+        return self.tracer.graph.create_node("get_attr", qualname, (), {})
 
     def forward(self, tensors: tuple) -> tuple:
         with compat.untraced():

@@ -176,11 +176,11 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
                    inductor: bool, check: Callable[[list[fx.GraphModule]], None],
                    resident: Sequence[int]) -> CompiledJoint:
     dedup.dedup_pure(local_gm)  # AOTAutograd's CSE, but for collectives (see dedup)
-    if inductor:  # as torch.compile rewrites a joint (or inference) graph before partitioning:
-        compat.joint_graph_passes(local_gm)  # a loss's scatter fused: llama_dp_tp peak -2 MiB
-        if outline.enabled():  # one form for the planner's all_reduce/view tie, before the
-            outline.reduce_before_views(local_gm)  # partitioner compares layers (align_saves)
+    if inductor and outline.enabled():  # one form for the planner's all_reduce/view tie,
+        outline.reduce_before_views(local_gm)  # before layers are compared (align_saves)
     if not has_backward:
+        if inductor:
+            compat.joint_graph_passes(local_gm)
         fw = _strip_grads(local_gm, num_fwd_outputs)
         prefetched = [prefetch.prefetch_gathers(fw)]
         check([fw])
@@ -193,15 +193,23 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
                              prefetched=prefetched)
     _tag_forward(local_gm, num_fwd_outputs)
     partitioner, static = _partitioner(), _static_inputs(local_gm, resident)
-    partition = functools.partial(partitioner, local_gm, None, num_fwd_outputs=num_fwd_outputs,
-                                  static=static)
+    rewritten = not inductor
+
+    def whole() -> tuple[fx.GraphModule, fx.GraphModule]:
+        nonlocal rewritten
+        if not rewritten:  # as torch.compile rewrites a joint graph before partitioning
+            compat.joint_graph_passes(local_gm)
+            _tag_forward(local_gm, num_fwd_outputs)
+            rewritten = True
+        return partitioner(local_gm, None, num_fwd_outputs=num_fwd_outputs, static=static)
 
     def split() -> tuple[fx.GraphModule, fx.GraphModule]:
-        # each distinct repeated layer partitioned once, its copies given the same split
+        # each distinct repeated layer rewritten and partitioned once, its copies given the
+        # same split
         by_layer = layer_partition.partition_by_layer(
-            local_gm, num_fwd_outputs, static, functools.partial(partitioner, inputs=None)) \
-            if partitioner is _min_cut else None
-        return by_layer or partition()
+            local_gm, num_fwd_outputs, static, functools.partial(partitioner, inputs=None),
+            None if rewritten else _joint_rewrites) if partitioner is _min_cut else None
+        return by_layer or whole()
 
     fw_gm, bw_gm = split()
     if inductor and outline.enabled() and align_saves(local_gm, fw_gm, num_fwd_outputs):
@@ -301,6 +309,19 @@ def _min_cut(gm: fx.GraphModule, inputs, *, num_fwd_outputs: int, static: list[i
     with compat.functorch_config_patch(cse=False):
         return compat.min_cut_rematerialization_partition(
             gm, inputs, num_fwd_outputs=num_fwd_outputs, static_lifetime_input_indices=static)
+
+
+def _joint_rewrites(gm: fx.GraphModule) -> None:
+    """Inductor's joint-graph passes on ``gm`` (a forward-tagged joint graph: the whole local
+    one, a layer's, or ``layer_partition``'s outer graph) in place; the nodes they make are
+    tagged as ``_tag_forward`` would tag them (forward where a forward node reads them).
+    Among their rewrites, a loss's scatter fused: llama_dp_tp peak -2 MiB."""
+    compat.joint_graph_passes(gm)
+    for node in reversed(gm.graph.nodes):
+        if node.op in ("placeholder", "output") or "partitioner_tag" in node.meta:
+            continue
+        forward = any(u.meta.get("partitioner_tag") == "is_forward" for u in node.users)
+        node.meta["partitioner_tag"] = "is_forward" if forward else "is_backward"
 
 
 def _tag_forward(gm: fx.GraphModule, num_fwd_outputs: int) -> None:

@@ -48,6 +48,7 @@ import torch.fx as fx
 
 from .core import compat, roles
 from .outline import INVOKE_SUBGRAPH, _Instance, instances, switch
+from .stamp import FakeCopier, NotStamped
 
 log = logging.getLogger("dynamo_dist.layer_partition")
 
@@ -97,6 +98,20 @@ class _Split:
     saved_forward: tuple[int, ...]  # positions, among its forward nodes, of the values saved
 
 
+def _rewrite(gm: fx.GraphModule, rewrite: Callable) -> None:
+    """``rewrite(gm)``, the nodes it makes renamed apart from the joint graph's names: the
+    expanded graphs name each copy's nodes as its own, and ``align_saves`` matches saved values
+    to the joint graph's nodes by name (a rewritten node named ``view_default`` took a layer
+    node's name, which then read as another layer's value saved)."""
+    before = set(gm.graph.nodes)
+    rewrite(gm)
+    for node in gm.graph.nodes:
+        if node not in before and node.op != "output":
+            node._rename(f"{_PREFIX}{node.name}")
+            node.meta.pop(_POSITION, None)  # it stands for no node of the joint graph
+    gm.recompile()
+
+
 def _cut_out(rep: _Instance, static_nodes: set[fx.Node]
              ) -> tuple[fx.GraphModule, list[int], list[int], list[int], list[int], list[int]]:
     """The representative as a joint graph of its own: forward inputs as primals, backward
@@ -129,10 +144,13 @@ def _cut_out(rep: _Instance, static_nodes: set[fx.Node]
             bw_outputs, static)
 
 
-def _split(rep: _Instance, static_nodes: set[fx.Node], partition: Callable) -> _Split:
+def _split(rep: _Instance, static_nodes: set[fx.Node], partition: Callable,
+           rewrite: Callable | None) -> _Split:
     joint, fw_inputs, bw_inputs, fw_outputs, bw_outputs, static = _cut_out(rep, static_nodes)
     if not fw_outputs or not any(not _forward(n) for n in rep.nodes):
         raise _Refused("not a layer with both a forward and a backward part")
+    if rewrite is not None:  # the joint-graph rewrites, once for the whole group
+        _rewrite(joint, rewrite)
     fw, bw = partition(joint, num_fwd_outputs=len(fw_outputs), static=static)
     for gm in (fw, bw):
         gm.graph.eliminate_dead_code()
@@ -315,6 +333,37 @@ def _outer(joint: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]
     return gm
 
 
+class _Values:
+    """Fake values, for one body call, of the body's nodes that stand for no node of the copy
+    (made by a rewrite): aliasing the copy's values as the body's alias the representative's
+    (``stamp.FakeCopier``), never shared between copies (the peak prediction and outlining tell
+    storages apart)."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.copier: FakeCopier | None = None
+
+    def pair(self, body: Any, own: Any) -> None:
+        if isinstance(body, torch.Tensor) and isinstance(own, torch.Tensor):
+            if self.copier is None:
+                self.pairs.append((body, own))
+            else:
+                self.copier.memo.setdefault(id(body), own)
+                self.copier.storage.setdefault(body.untyped_storage()._cdata, (body, own))
+
+    def copy(self, val: Any) -> Any:
+        if not any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(val)):
+            return val
+        if self.copier is None:
+            mode = next(t.fake_mode for t in torch.utils._pytree.tree_leaves(val)
+                        if isinstance(t, torch.Tensor))
+            self.copier = FakeCopier(mode, self.pairs)
+        try:
+            return self.copier.copy(val)
+        except NotStamped as why:
+            raise _Refused(f"a rewritten value: {why}") from why
+
+
 def _expand(gm: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]) -> None:
     """Each body call in ``gm`` (a partitioned forward or backward) replaced by its body's
     nodes, which take the calling copy's own node metadata."""
@@ -325,8 +374,10 @@ def _expand(gm: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]) -> N
         inst, split, _ = plans[c.meta[_PLAN]]
         body = split.fw if c.args[1].endswith("_fw") else split.bw
         env: dict[fx.Node, Any] = {}
+        values = _Values()
         for p, a in zip(body.graph.find_nodes(op="placeholder"), c.args[2:]):
             env[p] = a
+            values.pair(p.meta.get("val"), a.meta.get("val"))
         out = None
         for b in body.graph.nodes:
             if b.op == "placeholder":
@@ -336,6 +387,8 @@ def _expand(gm: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]) -> N
                 break
             j = b.meta.get(_POSITION)
             own = inst.nodes[j] if j is not None else None
+            if own is not None and isinstance(b.meta.get("val"), torch.Tensor):
+                values.pair(b.meta["val"], own.meta.get("val"))
             with gm.graph.inserting_before(c):
                 # named as the copy's own node from the start (a name once taken stays taken)
                 new = gm.graph.create_node(
@@ -346,6 +399,8 @@ def _expand(gm: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]) -> N
             if own is not None:  # the copy's own node: its module stack, value, tags
                 new.meta = {**own.meta, "partitioner_tag": b.meta.get(
                     "partitioner_tag", own.meta.get("partitioner_tag"))}
+            elif "val" in b.meta:  # a node a rewrite made: a value of this copy's own
+                new.meta["val"] = values.copy(b.meta["val"])
             env[b] = new
         results = [env.get(a, a) if isinstance(a, fx.Node) else a for a in out.args[0]]
         for user in list(c.users):
@@ -369,12 +424,16 @@ def _expand(gm: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]) -> N
 
 
 def partition_by_layer(joint: fx.GraphModule, num_fwd_outputs: int, static: Sequence[int],
-                       partition: Callable) -> tuple[fx.GraphModule, fx.GraphModule] | None:
+                       partition: Callable, rewrite: Callable | None = None
+                       ) -> tuple[fx.GraphModule, fx.GraphModule] | None:
     """Forward and backward graphs of ``joint`` (a local joint graph, forward-tagged by
     ``compile._tag_forward``), each group of identical layers partitioned once (module
     docstring); None where nothing repeats or the graph is left to the whole-graph partition.
     ``partition(gm, num_fwd_outputs=, static=)`` is the partitioner (``compile._min_cut``);
-    ``static``: positions of the placeholders that live all along (parameters)."""
+    ``static``: positions of the placeholders that live all along (parameters). ``rewrite(gm)``,
+    if given, rewrites each representative's joint graph and the outer graph in place before
+    they are partitioned (Inductor's joint-graph passes, ``compile._joint_rewrites``): the
+    copies get the representative's rewritten nodes, so ``joint`` itself is left as it is."""
     if not enabled():
         return None
     placeholders = list(joint.graph.find_nodes(op="placeholder"))
@@ -387,7 +446,7 @@ def partition_by_layer(joint: fx.GraphModule, num_fwd_outputs: int, static: Sequ
         for g, group in enumerate(instances(joint).values()):
             rep = group[len(group) // 2]
             try:
-                split = _split(rep, static_nodes, partition)
+                split = _split(rep, static_nodes, partition, rewrite)
             except _Refused as why:
                 log.debug("dynamo_dist: layers %s not partitioned once: %s", rep.key[0], why)
                 continue
@@ -396,6 +455,8 @@ def partition_by_layer(joint: fx.GraphModule, num_fwd_outputs: int, static: Sequ
             return None
         _align_the_rest(joint, plans)
         outer = _outer(joint, plans)
+        if rewrite is not None:
+            _rewrite(outer, rewrite)
         fw, bw = partition(outer, num_fwd_outputs=num_fwd_outputs, static=list(static))
         for gm in (fw, bw):
             _expand(gm, plans)

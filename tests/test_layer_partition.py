@@ -120,6 +120,47 @@ def test_a_stack_partitioned_per_layer_computes_what_the_whole_graph_partition_d
     assert {("model.layers", k) for k in range(5)} <= layers
 
 
+def _scale_sines(gm: fx.GraphModule) -> None:
+    """A stand-in joint-graph rewrite: every ``sin`` read through a new ``mul(x, 1.0)``."""
+    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.sin.default)):
+        with gm.graph.inserting_before(node):
+            scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node.args[0], 1.0))
+        scaled.meta = {k: v for k, v in node.meta.items() if k != "val"}
+        val = node.args[0].meta["val"]
+        with val.fake_mode:
+            scaled.meta["val"] = val * 1.0
+        node.replace_input_with(node.args[0], scaled)
+    gm.recompile()
+
+
+def test_a_rewrite_runs_on_the_representative_and_each_copy_gets_its_own_values():
+    """``rewrite`` (Inductor's joint-graph passes in the compiler) runs on the representative
+    and the outer graph only; the copies' nodes it made are named apart from the joint graph's
+    and hold values of their own (one value shared by the copies read, to the peak prediction,
+    as one buffer); the numbers are the whole-graph partition's."""
+    gm, primals, tangents, nf = _joint([4] * 5)
+    want = _run(*_partitioned(gm, False), primals, tangents, nf)
+    calls = []
+
+    def rewrite(g):
+        calls.append(g)
+        _scale_sines(g)
+
+    fw, bw = layer_partition.partition_by_layer(
+        gm, 1, [], lambda g, **kw: compile_mod._min_cut(g, None, **kw), rewrite)
+    assert len(calls) == 2 and gm not in calls
+    got = _run(fw, bw, primals, tangents, nf)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    joint_names = {n.name for n in gm.graph.nodes}
+    made = [n for n in fw.graph.nodes if n.target is torch.ops.aten.mul.Tensor
+            and n.args[1] == 1.0]
+    assert len(made) >= 3  # one per copy partitioned as the representative
+    assert all(n.name.startswith("dd_part_") and n.name not in joint_names for n in made)
+    storages = [n.meta["val"].untyped_storage()._cdata for n in made]
+    assert len(set(storages)) == len(storages)
+
+
 def test_every_copy_saves_the_same_values():
     """The forward saves, for each copy partitioned as one, the values at the same positions
     of its nodes: one backward body serves them all (what ``align_saves`` otherwise
@@ -240,6 +281,39 @@ def test_llama_layers_partitioned_once_share_bodies_with_the_same_collectives(
     assert _collectives(joint.bw_graph) == _collectives(whole.bw_graph)
     # no more saved for the backward than the whole-graph partition saves
     assert joint.predicted_peak.peak_bytes <= whole.predicted_peak.peak_bytes * 1.02
+
+
+def test_joint_rewrites_run_per_layer_and_leave_the_layers_aligned(fake_mesh, monkeypatch,
+                                                                     partitioned_per_layer):
+    """Demo Llama, dp=2 x tp=2, ``align_saves`` on: Inductor's joint-graph rewrites run twice
+    (the representative, the outer graph), never over the whole joint graph; the layers save
+    alike, so one partition (``align_saves`` marks nothing: a rewritten node once took a layer
+    node's name, which read as that layer saving another value, and partitioned twice)."""
+    from conftest import sharded_llama
+    from dynamo_dist import compile_records
+    from dynamo_dist.testing.models import LlamaSize, token_batch
+
+    rewritten, marked = [], []
+    rewrite, align = compile_mod._joint_rewrites, compile_mod.align_saves
+
+    def counted_rewrite(gm):
+        rewritten.append(len(gm.graph.nodes))
+        rewrite(gm)
+
+    def counted_align(*args):
+        marked.append(align(*args))
+        return marked[-1]
+
+    monkeypatch.setattr(compile_mod, "_joint_rewrites", counted_rewrite)
+    monkeypatch.setattr(compile_mod, "align_saves", counted_align)
+    size = LlamaSize(layers=4)
+    torch.manual_seed(0)
+    model = sharded_llama(fake_mesh((2, 2), ("dp", "tp")), size)
+    ids = token_batch(size, 0)
+    torch._dynamo.reset()
+    torch.compile(model, backend="dist")(input_ids=ids, labels=ids).loss.backward()
+    assert compile_records()[-1].step is not None
+    assert partitioned_per_layer == [True] and marked == [0] and len(rewritten) == 2
 
 
 def _four_layers(name: str):

@@ -636,6 +636,9 @@ def _describe_compiles(row: dict) -> None:
     # layer calls of shared compiled bodies / bodies, per compiled half (Inductor only)
     row["outlined"] = [f"{o.calls}/{len(o.bodies)}" for r in records if r.step is not None
                        for o in r.step.joint.outlined]
+    # per compiled graph: (layer runs captured as copies, runs traced op by op), or None
+    row["captured_copies"] = [r.program.graph_module.meta.get("dynamo_dist_layer_capture")
+                              for r in records if r.program is not None]
     # layers whose gathers were issued a layer early, per compiled half (forward, backward)
     row["prefetched"] = [len(p.layers) for r in records if r.step is not None
                          for p in getattr(r.step.joint, "prefetched", ())]
