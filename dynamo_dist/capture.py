@@ -655,7 +655,8 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
         outs = run_forward(*primals, recording=True)
     if layers is not None and layers.groups:
         with _leaf_mutation_explained(tensor_infos):
-            layers.trace_joints(lambda sub: _GlobalInterpreter(sub, mesh, {}, {}), decomp)
+            layers.trace_joints(lambda sub: _GlobalInterpreter(sub, mesh, {}, {}), decomp,
+                                manual_nodes)
     flat_outs, out_spec = pytree.tree_flatten(outs)
     diff_outputs = [i for i, o in enumerate(flat_outs)
                     if isinstance(o, torch.Tensor) and o.requires_grad]

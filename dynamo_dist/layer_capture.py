@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from inductor_passes.core import compat
 from inductor_passes.core.layers import layer_of
@@ -127,8 +128,7 @@ def _signature(nodes: list[fx.Node]) -> tuple[Any, list[fx.Node], list[int]]:
         if n.op == "call_method" and n.target in _DTENSOR_METHODS:
             raise _Unsupported(f"DTensor method {n.target}")
         if n.op == "call_function" and (n.target is getattr or n.target is torch.autograd.grad
-                                        or getattr(n.target, "__self__", None) is not None
-                                        and getattr(n.target, "__name__", "") == "from_local"):
+                                        or n.target is DTensor.from_local):
             raise _Unsupported(f"{n.target}")
         if n.op not in ("call_function", "call_method"):
             raise _Unsupported(f"a {n.op} node")
@@ -468,8 +468,15 @@ class LayerCapture:
             g, run = hit
             self.values[g] = [env[x] for x in run.inputs]
 
-    def trace_joints(self, interpreter: Callable, decomp: dict) -> None:
+    def trace_joints(self, interpreter: Callable, decomp: dict, manual: set[str]) -> None:
+        """Trace each group's layer joint from the values ``record`` noted. ``manual``: the
+        Dynamo nodes whose values were a manual region's local tensors in that run (a group
+        with one is traced op by op: the interpreter must see its values made)."""
         for g, values in self.values.items():
+            if any(n.name in manual for run in self.groups[g] for n in run.nodes):
+                log.debug("dynamo_dist: layers %s captured op by op: local (manual) values",
+                          self.groups[g][0].key[0])
+                continue
             try:
                 self.joints[g] = trace_layer_joint(self.gm, self.groups[g][0], values,
                                                    interpreter, decomp)

@@ -24,6 +24,10 @@ for the representative, and the copies compute the same function of the same inp
 whole-graph min-cut where that one chose differently at a layer boundary (it saves per layer,
 as a per-layer compile -- DTensor + FSDP2's ``torch.compile`` of each block -- does).
 
+Inductor's joint-graph rewrites (``rewrite``: ``compile._joint_rewrites``) run on each
+representative's joint graph and on the outer graph, not over the whole joint graph; the nodes
+they make are named apart from the joint's and get values of their own in each copy.
+
 A layer whose forward is a group's but whose backward is not (the first or last of a stack)
 is partitioned with the outer graph, marked to save what the representative saves, so that
 its forward still shares the group's compiled body and no second partition is needed.

@@ -71,6 +71,20 @@ def sharded_llama(mesh, size):
     return _shard_llama(build_llama(size), mesh)
 
 
+def one_step_without_inductor(mesh, layers: int) -> None:
+    """A small test Llama of ``layers`` layers (hidden 64, 4 heads), sharded on ``mesh`` as
+    ``sharded_llama`` shards it, one training step compiled by the ``dist`` backend without
+    Inductor (capture, planning and lowering only)."""
+    from dynamo_dist.testing.models import LlamaSize, token_batch
+
+    size = LlamaSize(layers=layers, hidden=64, heads=4, kv_heads=2, intermediate=128,
+                     vocab=256, seq=32, batch=4)
+    model = sharded_llama(mesh, size)
+    compiled = torch.compile(model, backend="dist", options={"inductor": False})
+    ids = token_batch(size, 0)
+    compiled(input_ids=ids, labels=ids).loss.backward()
+
+
 def _shard_llama(model, mesh):
     from dynamo_dist.plans import DataParallelPlanner, TensorParallelPlanner, shard_module
 

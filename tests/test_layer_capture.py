@@ -14,7 +14,7 @@ from dynamo_dist import layer_capture
 from dynamo_dist.capture import trace_joint
 from dynamo_dist.testing.models import LlamaSize, token_batch
 
-from conftest import lm_steps_at_parity, sharded_llama, simulated_llama
+from conftest import lm_steps_at_parity, one_step_without_inductor, simulated_llama
 
 _TRACE = backend.trace_joint
 
@@ -74,13 +74,8 @@ def _assert_same(got: dict) -> tuple:
 def test_a_copied_layer_is_the_layer_traced_op_by_op(fake_mesh, monkeypatch, axes):
     """A 6-layer Llama (FSDP x Megatron, or Megatron alone): captured with and without copying,
     the same joint graph node for node; all six layers were copies of one traced layer."""
-    size = LlamaSize(layers=6, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256,
-                     seq=32, batch=4)
     runs = _captured_both_ways(monkeypatch)
-    model = sharded_llama(fake_mesh(*axes), size)
-    compiled = torch.compile(model, backend="dist", options={"inductor": False})
-    ids = token_batch(size, 0)
-    compiled(input_ids=ids, labels=ids).loss.backward()
+    one_step_without_inductor(fake_mesh(*axes), 6)
     assert len(runs) == 1
     assert _assert_same(runs[0]) == (6, 0)
 

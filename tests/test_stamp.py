@@ -15,7 +15,7 @@ from dynamo_dist.testing.models import LlamaSize, token_batch
 from dynamo_dist.testing.zoo.cell import SimRuntime
 from inductor_passes import stamp
 
-from conftest import lm_steps_at_parity, sharded_llama, simulated_llama
+from conftest import lm_steps_at_parity, one_step_without_inductor, simulated_llama
 
 
 _BACKEND_LOWER = backend.lower
@@ -101,13 +101,8 @@ def test_a_copied_layer_is_the_layer_lowered_node_by_node(fake_mesh, monkeypatch
     twice, with and without copying: the same local graph node for node, the same storage
     sharing, the same ledger; and copying did happen (most layers' forward and backward
     segments)."""
-    size = LlamaSize(layers=6, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=256,
-                     seq=32, batch=4)
     runs = _lowered_both_ways(monkeypatch)
-    model = sharded_llama(fake_mesh(*axes), size)
-    compiled = torch.compile(model, backend="dist", options={"inductor": False})
-    ids = token_batch(size, 0)
-    compiled(input_ids=ids, labels=ids).loss.backward()
+    one_step_without_inductor(fake_mesh(*axes), 6)
     (stamps, graph, aliases, ledger), (none, flat, flat_aliases, flat_ledger) = \
         runs["1"], runs["0"]
     assert none is None and stamps is not None
