@@ -17,7 +17,8 @@ inputs of the same layouts trace to the same ATen nodes. Here:
   inside the layer (a dropout's ``bernoulli_``, Mixtral's router ``div_``) and random draws are
   copied in order. It is refused (the group is traced op by op, as before) when an op is not
   an ATen op or writes one of the layer's inputs, a size is symbolic, an input is neither a
-  tensor nor a constant, or an output is a view of an input.
+  tensor nor a constant, an output is a view of an input, or autocast is on where the run
+  starts (a layer traced alone takes its activations as leaves, whose casts autocast caches).
 - **Stamping.** In the whole-program trace every run of the group is one
   ``torch.autograd.Function``: its forward adds the layer joint's forward nodes to the trace
   with this run's inputs, fresh fake values (aliasing as the layer joint's do) and this run's
@@ -466,13 +467,21 @@ class LayerCapture:
         hit = self.first.get(node)
         if hit is not None and hit[0] not in self.values:
             g, run = hit
-            self.values[g] = [env[x] for x in run.inputs]
+            # under autocast, a layer traced alone takes its activations as leaves, whose
+            # casts autocast caches (once, and across traces), unlike the op-by-op trace's:
+            # other casts, other numbers (HF Llama under bf16 on dp=2). Traced op by op.
+            self.values[g] = None if compat.autocast_state() else \
+                [env[x] for x in run.inputs]
 
     def trace_joints(self, interpreter: Callable, decomp: dict, manual: set[str]) -> None:
         """Trace each group's layer joint from the values ``record`` noted. ``manual``: the
         Dynamo nodes whose values were a manual region's local tensors in that run (a group
         with one is traced op by op: the interpreter must see its values made)."""
         for g, values in self.values.items():
+            if values is None:
+                log.debug("dynamo_dist: layers %s captured op by op: autocast is on",
+                          self.groups[g][0].key[0])
+                continue
             if any(n.name in manual for run in self.groups[g] for n in run.nodes):
                 log.debug("dynamo_dist: layers %s captured op by op: local (manual) values",
                           self.groups[g][0].key[0])
@@ -493,6 +502,9 @@ class LayerCapture:
             return False
         g, run = hit
         joint = self.joints[g]
+        if compat.autocast_state():  # see ``record``
+            self.traced += 1
+            return False
         values = [env[x] for x in run.inputs]
         for k, want in joint.constants.items():
             if isinstance(values[k], torch.Tensor) or type(values[k]) is not type(want) or \
