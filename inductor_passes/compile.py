@@ -312,10 +312,11 @@ def _min_cut(gm: fx.GraphModule, inputs, *, num_fwd_outputs: int, static: list[i
 
 
 def _joint_rewrites(gm: fx.GraphModule) -> None:
-    """Inductor's joint-graph passes on ``gm`` (a forward-tagged joint graph: the whole local
-    one, a layer's, or ``layer_partition``'s outer graph) in place; the nodes they make are
-    tagged as ``_tag_forward`` would tag them (forward where a forward node reads them).
-    Among their rewrites, a loss's scatter fused: llama_dp_tp peak -2 MiB."""
+    """Inductor's joint-graph passes on ``gm`` (a forward-tagged joint graph: a layer's cut
+    out by ``layer_partition``, or its outer graph) in place; the nodes they make are tagged as
+    ``_tag_forward`` would tag them (forward where a forward node reads them). Among their
+    rewrites, a loss's scatter fused: llama_dp_tp peak -2 MiB. (The whole-graph partition runs
+    the passes and ``_tag_forward`` over the whole graph instead.)"""
     compat.joint_graph_passes(gm)
     for node in reversed(gm.graph.nodes):
         if node.op in ("placeholder", "output") or "partitioner_tag" in node.meta:
