@@ -329,13 +329,10 @@ class _Emitter:
             if node is None:
                 raise NotStamped("a value the trace does not track")
             self.env[ph], self.vals[ph] = node, t
-        new = [(ph.meta["val"], t) for ph, t in pairs]
         if self.fakes is None:
-            self.fakes = FakeCopier(self.fake_mode, new)
-        else:
-            for r, m in new:
-                self.fakes.memo[id(r)] = m
-                self.fakes.storage.setdefault(r.untyped_storage()._cdata, (r, m))
+            self.fakes = FakeCopier(self.fake_mode, [])
+        for ph, t in pairs:
+            self.fakes.pair(ph.meta["val"], t)
 
     def _meta(self, meta: dict) -> dict:
         out = {k: v for k, v in meta.items() if k not in ("val", "tensor_meta", "eager_input_vals")}

@@ -352,8 +352,7 @@ class _Values:
             if self.copier is None:
                 self.pairs.append((body, own))
             else:
-                self.copier.memo.setdefault(id(body), own)
-                self.copier.storage.setdefault(body.untyped_storage()._cdata, (body, own))
+                self.copier.pair(body, own)
 
     def copy(self, val: Any) -> Any:
         if not any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(val)):

@@ -354,8 +354,13 @@ class FakeCopier:
         self.storage: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.meta: dict[int, torch.Tensor] = {}  # a new fake -> the meta tensor under it
         for r, m in pairs:
-            self.memo[id(r)] = m
-            self.storage.setdefault(_key(r), (r, m))
+            self.pair(r, m)
+
+    def pair(self, rep: torch.Tensor, new: torch.Tensor) -> None:
+        """``new`` stands for ``rep``, and a view of ``rep``'s storage becomes one of
+        ``new``'s."""
+        self.memo[id(rep)] = new
+        self.storage.setdefault(_key(rep), (rep, new))
 
     def keep(self, val: Any) -> None:
         """``val`` (a reused node's) stands for itself."""
