@@ -79,6 +79,9 @@ def one_step_without_inductor(mesh, layers: int) -> None:
 
     size = LlamaSize(layers=layers, hidden=64, heads=4, kv_heads=2, intermediate=128,
                      vocab=256, seq=32, batch=4)
+    # a fresh Dynamo: after another test's compile of this model at another length, automatic
+    # dynamic shapes would make this one symbolic, which copying and these tests do not cover
+    torch._dynamo.reset()
     model = sharded_llama(mesh, size)
     compiled = torch.compile(model, backend="dist", options={"inductor": False})
     ids = token_batch(size, 0)
