@@ -275,8 +275,23 @@ def fix_guarded_sizes(gm: fx.GraphModule) -> None:
     as in a static program, and never trace arithmetic on a constant SymInt (make_fx has no
     proxy for one)."""
     for node in gm.graph.nodes:
-        if "val" in node.meta:
+        # a value with no SymInt is left as it is (a static program: every one; the tree_map
+        # over 8k nodes was a second of a 32-layer capture)
+        if "val" in node.meta and not _all_ints(node.meta["val"]):
             node.meta["val"] = pytree.tree_map(_fixed_value, node.meta["val"])
+
+
+def _all_ints(val: Any) -> bool:
+    """``val`` holds no SymInt: no symbolic number, no tensor with a symbolic size, stride or
+    offset."""
+    for v in pytree.tree_leaves(val):
+        if isinstance(v, torch.Tensor):
+            if v.layout is not torch.strided or not all(
+                    type(s) is int for s in (*v.shape, *v.stride(), v.storage_offset())):
+                return False  # (a sparse value has no strides: the general path)
+        elif isinstance(v, torch.SymInt):
+            return False
+    return True
 
 
 def _fixed_value(v: Any) -> Any:

@@ -20,6 +20,7 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 
 from . import layout, stamp
+from .stamp import MoveCopies
 from .core import compat, roles
 from .core.annotation_ops import CONSTRAINT_OP, ENTER_OP, EXIT_OP
 from .core.errors import DistCompileError, describe_mesh, user_source
@@ -176,6 +177,7 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
         env.update(zip(tangents, tangents_in))
         traced = _sizes_from(primals_in)
         cache: dict[tuple[fx.Node, Placements], torch.Tensor] = {}
+        copies: MoveCopies | None = None  # (set at the output, below)
 
         placements = {n: plan.placement(n.name) for n in gm.graph.nodes if n.name in plan.nodes}
         stamper = stamp.LayerStamper(
@@ -220,15 +222,33 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                     store((a, req), reindexed)
                 return cache[(a, req)]
             if not read((a, req)):
-                def record(kind: str, ax: AxisGroup, t: torch.Tensor) -> None:
+                def sent(kind: str, ax: AxisGroup, nbytes: int) -> None:
                     add(CollectiveEntry(
-                        kind, ax.name, _bytes(t), consumer.name,
+                        kind, ax.name, nbytes, consumer.name,
                         f"input {k} of {consumer.target}: {a.name} {fmt(cur)} -> {fmt(req)}",
                         phase or ("backward" if consumer in bwd else "forward"),
                         user_source(a if consumer.op == "output" else consumer), a.name),
                         a, consumer)
-                store((a, req), lambda: redistribute(env[a], cur, req, axes, record,
-                                                     traced(tuple(a.meta["val"].shape))))
+
+                shape = traced(tuple(a.meta["val"].shape))
+                key = MoveCopies.key(env[a], cur, req, shape) \
+                    if copies is not None and consumer.op == "output" else None
+                got = copies.copy(key, env[a]) if key is not None else None
+                if got is not None:  # the same move as an earlier output's: copied
+                    cache[(a, req)] = got[0]
+                    for kind, ax, nbytes in got[1]:
+                        sent(kind, ax, nbytes)
+                    return cache[(a, req)]
+                made: list[tuple] = []
+
+                def record(kind: str, ax: AxisGroup, t: torch.Tensor) -> None:
+                    made.append((kind, ax, _bytes(t)))
+                    sent(kind, ax, _bytes(t))
+
+                mark = copies.mark() if key is not None else None
+                store((a, req), lambda: redistribute(env[a], cur, req, axes, record, shape))
+                if key is not None:
+                    copies.made(key, env[a], mark, cache[(a, req)], made)
             return cache[(a, req)]
 
         def in_op_reduce(node: fx.Node):
@@ -305,11 +325,10 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
             if stamper is not None:
                 stamper.after(node)
 
-        if stamper is not None:
-            log.debug("dynamo_dist: lowering copied %d layer segments, lowered %d node by node",
-                      stamper.stamped, stamper.lowered)
-            stamps.append((stamper.stamped, stamper.lowered))
         output = next(iter(gm.graph.find_nodes(op="output")))
+        # the outputs' moves (each gradient to its parameter's placement) are alike: each kind
+        # is made once and copied (``stamp.MoveCopies``), where layers are copied too
+        copies = MoveCopies(fake_mode) if segs else None
         results = []
         reqs = iter(plan.nodes[output.name].inputs)
         for k, o in enumerate(output.args[0]):
@@ -324,11 +343,16 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 results.append(out)
             else:
                 results.append(o)
+        if stamper is not None:
+            log.debug("dynamo_dist: lowering copied %d layer segments and %d output moves, "
+                      "lowered %d segments node by node", stamper.stamped, copies.copied,
+                      stamper.lowered)
+            stamps.append((stamper.stamped, stamper.lowered, copies.copied))
         return results
 
     # identical layers are lowered once and copied (``stamp``); not where sizes are symbolic
     segs = stamp.segments(gm, plan, bwd) if stamp.enabled() and not symbolic else {}
-    stamps: list[tuple[int, int]] = []
+    stamps: list[tuple[int, int, int]] = []
     with compat.disable_local_tensor_mode():
         primal_fakes = [local_fake(n) for n in primals]
         tangent_fakes = [local_fake(n) for n in tangents]
@@ -347,7 +371,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
     local_gm.graph._codegen = fx.graph.CodeGen()
     compat.binary_size_arithmetic(local_gm)
     local_gm.recompile()
-    if stamps:  # (layer segments copied, segments lowered node by node though they repeat)
+    if stamps:  # (layer segments copied, segments lowered node by node though they
+        # repeat, output moves copied)
         local_gm.meta["dynamo_dist_stamps"] = stamps[0]
     return local_gm, ledger
 

@@ -268,22 +268,14 @@ class LayerStamper:
                 lmap[n] = n
                 continue
             args, kwargs = fx.map_arg((n.args, n.kwargs), lambda a: lmap.get(a, a))
-            new = graph.create_node(n.op, n.target, args, kwargs, type_expr=n.type)
             src = gmap[rec.made_for[n]]  # this layer's global node the copy stands for
-            new.meta.update({k: v for k, v in n.meta.items()
-                             if k not in _META_FIELDS and k not in ("val", "tensor_meta")})
+            meta = {k: v for k, v in n.meta.items()
+                    if k not in _META_FIELDS and k not in ("val", "tensor_meta")}
             for k in _META_FIELDS:
                 if k in src.meta and k != "seq_nr":
-                    new.meta[k] = src.meta[k] if k == "stack_trace" else copy.copy(src.meta[k])
-            val = vals[n]
-            if isinstance(val, torch.Tensor):
-                compat.track_value(val, new, tracer, n.meta.get("tensor_meta"))
-            else:
-                new.meta["val"] = val
-                if "tensor_meta" in n.meta:
-                    new.meta["tensor_meta"] = n.meta["tensor_meta"]
-            lmap[n] = new
-            objs[new] = val
+                    meta[k] = src.meta[k] if k == "stack_trace" else copy.copy(src.meta[k])
+            lmap[n] = new = _place(tracer, n, args, kwargs, vals[n], meta)
+            objs[new] = vals[n]
 
         def mapped(t: torch.Tensor) -> torch.Tensor:
             # by node: make_fx keeps a detached snapshot in meta["val"], not the tracked value
@@ -312,6 +304,99 @@ class LayerStamper:
         if node is None:
             raise NotStamped("a value the trace does not track")
         return node
+
+
+def _place(tracer, n: fx.Node, args, kwargs, val: Any, meta: dict) -> fx.Node:
+    """A copy of local node ``n`` added to the trace: ``args``/``kwargs`` its arguments in the
+    copy, ``val`` its fresh value (tracked as make_fx tracks an op's result), ``meta`` its
+    metadata but for the value."""
+    new = tracer.graph.create_node(n.op, n.target, args, kwargs, type_expr=n.type)
+    new.meta.update(meta)
+    if isinstance(val, torch.Tensor):
+        compat.track_value(val, new, tracer, n.meta.get("tensor_meta"))
+    else:
+        new.meta["val"] = val
+        if "tensor_meta" in n.meta:
+            new.meta["tensor_meta"] = n.meta["tensor_meta"]
+    return new
+
+
+@dataclasses.dataclass
+class _Move:
+    """One redistribute as lowering traced it: its input (the tracked value and its node), the
+    local nodes it made in order, its result, and what it sent (kind, axis, bytes) per
+    collective, in order."""
+
+    value: torch.Tensor
+    node: fx.Node
+    made: list[fx.Node]
+    result: torch.Tensor
+    sent: list[tuple]
+
+
+class MoveCopies:
+    """Redistributes of values outside the layer segments, made once per (local layout,
+    placements, global shape) and copied after: each parameter's gradient moved to its
+    parameter's placement at the joint graph's output (a reduce_scatter per parameter, about
+    1.2 s of a 32-layer Llama's lowering on dp x tp, all alike but for their input). A copy is
+    the first move's nodes with this input, fresh fakes (aliasing as the first's do) and the
+    first's metadata (all are made at the output, by the same code); where a move's nodes read
+    anything but its input, it is never copied."""
+
+    def __init__(self, fake_mode) -> None:
+        self.fake_mode = fake_mode
+        self.tracer = compat.proxy_tracer()
+        self.moves: dict[tuple, _Move | None] = {}
+        self.copied = 0
+
+    @staticmethod
+    def key(x: Any, src, dst, shape: tuple) -> tuple | None:
+        """What decides a move's nodes; None for a value that cannot be copied."""
+        if not _fake(x) or not _plain_value(x) or not all(type(s) is int for s in shape):
+            return None
+        return _layout(x), src, dst, shape
+
+    def mark(self) -> fx.Node:
+        return next(iter(reversed(self.tracer.graph.nodes)))
+
+    def made(self, key: tuple, value: torch.Tensor, mark: fx.Node, result: Any,
+             sent: list[tuple]) -> None:
+        """The move of ``value`` under ``key`` made the nodes after ``mark`` and ``result``."""
+        if key in self.moves:
+            return
+        node = compat.proxy_node(value, self.tracer)
+        made, n = [], mark.next
+        while n.op != "root":
+            made.append(n)
+            n = n.next
+        inside = {node, *made}
+        usable = node is not None and isinstance(result, torch.Tensor) and \
+            all(a in inside for m in made for a in m.all_input_nodes) and \
+            all(_plain_value(m.meta.get("val")) for m in made) and \
+            compat.proxy_node(result, self.tracer) in inside
+        self.moves[key] = _Move(value, node, made, result, sent) if usable else None
+
+    def copy(self, key: tuple, value: torch.Tensor) -> tuple[torch.Tensor, list[tuple]] | None:
+        """(the moved value, what it sent) for ``value`` as a copy of the move recorded under
+        ``key``; None where there is none (the caller moves ``value`` itself)."""
+        move = self.moves.get(key)
+        node = compat.proxy_node(value, self.tracer)
+        if move is None or node is None:
+            return None
+        with compat.untraced():
+            fakes = FakeCopier(self.fake_mode, [(move.value, value)])
+            try:
+                vals = [fakes.copy(n.meta.get("val")) for n in move.made]
+            except NotStamped:
+                return None
+            lmap, objs = {move.node: node}, {node: value}
+            for n, val in zip(move.made, vals):
+                args, kwargs = fx.map_arg((n.args, n.kwargs), lambda a: lmap[a])
+                meta = {k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")}
+                lmap[n] = new = _place(self.tracer, n, args, kwargs, val, meta)
+                objs[new] = val
+        self.copied += 1
+        return objs[lmap[compat.proxy_node(move.result, self.tracer)]], move.sent
 
 
 def _plain_value(val: Any) -> bool:

@@ -286,3 +286,33 @@ def test_redistribute_through_an_uneven_nested_split_of_a_symbolic_size(fake_mes
         got, _ = run_spmd(record, [{"L_x_": x, "L_y_": y}[i.name]
                                    for i in record.program.primal_inputs], None, mesh)
         torch.testing.assert_close(got[0], want, msg=f"x {tuple(x.shape)}")
+
+
+def test_fix_guarded_sizes_writes_fixed_sizes_and_leaves_static_values_alone():
+    """A size a guard fixed becomes its number in every value holding it (a tensor's shape and
+    strides, a size node's value); a symbol no guard fixed stays; values with no symbolic size
+    are left as the same objects (the static path skips the rewrite)."""
+    import torch.fx as fx
+
+    from dynamo_dist.symbolic import fix_guarded_sizes
+    from inductor_passes.core import compat
+
+    mode = compat.fresh_size_env()
+    fixed, free = compat.new_size(mode, 6, "fixed"), compat.new_size(mode, 5, "free")
+    with mode:
+        a = torch.empty(fixed, 4)
+        b = torch.empty(free, fixed)
+        static = torch.empty(3, 4)
+    compat.guard_equal(fixed, 6)
+    graph = fx.Graph()
+    nodes = [graph.placeholder(n) for n in ("a", "b", "static", "size", "pair")]
+    graph.output(tuple(nodes))
+    for node, val in zip(nodes, (a, b, static, fixed, (static, 7))):
+        node.meta["val"] = val
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    fix_guarded_sizes(gm)
+    va, vb, vs, vn, vp = (n.meta["val"] for n in nodes)
+    assert va.shape == (6, 4) and all(type(s) is int for s in (*va.shape, *va.stride()))
+    assert type(vb.shape[1]) is int and vb.shape[1] == 6
+    assert isinstance(vb.shape[0], torch.SymInt)  # no guard fixed it
+    assert vs is static and vp[0] is static and vn == 6 and type(vn) is int
