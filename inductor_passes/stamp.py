@@ -461,21 +461,21 @@ class FakeCopier:
             return self.memo[id(val)]
         t = val
         # fakes are made over meta tensors directly (a trip through the fake mode per value
-        # was most of a copy's cost); a view of a value from outside the segment goes through it
+        # was most of a copy's cost), views of a value from outside the segment too
         if _key(t) in self.storage:
             r0, m0 = self.storage[_key(t)]
             if m0.dtype != t.dtype:
                 raise NotStamped("a storage viewed with another dtype")
             offset = t.storage_offset() - r0.storage_offset() + m0.storage_offset()
             base = self.meta.get(id(m0))
-            if base is not None:
-                with compat.no_dispatch_modes():
+            with compat.no_dispatch_modes():
+                if base is not None:
                     meta = base.as_strided(t.shape, t.stride(),
                                            offset - m0.storage_offset() + base.storage_offset())
-                    new = compat.fake_tensor(self.fake_mode, meta, t.device)
-            else:
-                with self.fake_mode:
-                    new = m0.as_strided(t.shape, t.stride(), offset)
+                else:  # a fake made elsewhere: a meta tensor over its (meta) storage
+                    meta = torch.empty((0,), dtype=t.dtype, device="meta").set_(
+                        m0.untyped_storage(), offset, t.shape, t.stride())
+                new = compat.fake_tensor(self.fake_mode, meta, t.device)
         else:
             nbytes, size = t.untyped_storage().nbytes(), t.element_size()
             if nbytes % size:
