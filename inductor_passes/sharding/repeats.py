@@ -112,8 +112,10 @@ def repeat_classes(gm: fx.GraphModule, keys: LocalKeys, rounds: int,
         return keys(n), extra(n)
 
     col = {n: colour(start(n)) for n in nodes}
-    ins = {n: [a for a in n.all_input_nodes if a in col] for n in nodes}
-    outs = {n: [(u, u.all_input_nodes.index(n)) for u in n.users if u in col] for n in nodes}
+    # (``all_input_nodes`` builds a list per call: built once per node, not once per edge)
+    slots = {n: {a: k for k, a in enumerate(n.all_input_nodes)} for n in nodes}
+    ins = {n: [a for a in slots[n] if a in col] for n in nodes}
+    outs = {n: [(u, slots[u][n]) for u in n.users if u in col] for n in nodes}
     for _ in range(rounds):
         intern = {}
         col = {n: colour((col[n], tuple(col[a] for a in ins[n]),
