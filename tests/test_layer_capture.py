@@ -237,6 +237,47 @@ def _check_stack(monkeypatch, kinds, transposed):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_layers_sharing_parameters_capture_the_same_values(monkeypatch):
+    """One layer module called three times (ALBERT's shared layer) and another like it: every
+    run is copied. Traced op by op, the engine adds the shared weights' gradient contributions
+    as each is ready, between the layer's backward ops; copied, after the layer's backward
+    block. So the graphs hold the same nodes (by op, with the same 12 gradient sums, none with
+    a module stack) in another order, and compute the same values bit for bit."""
+    import collections
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            block = _Block(0)
+            self.layers = torch.nn.ModuleList([block, block, block, _Block(0)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x, _ = layer(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 16, requires_grad=True)
+    gm, inputs = _dynamo_graph(Shared(), x)
+    programs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("DYNAMO_DIST_CAPTURE_STAMP", flag)
+        programs[flag] = trace_joint(gm, inputs)
+    assert programs["1"].graph_module.meta.get("dynamo_dist_layer_capture") == (4, 0)
+    nodes = {f: _canonical(p.graph_module) for f, p in programs.items()}
+
+    def ops(graph):  # op and target of every node, and each gradient sum's module stack
+        return collections.Counter((n[0], n[1], n[5] if n[-2] else "") for n in graph)
+
+    assert ops(nodes["1"]) == ops(nodes["0"])
+    sums = [n for n in nodes["1"] if n[-2]]
+    assert len(sums) == 12 and all(n[5] is None for n in sums)
+    want, got = _run_joint(programs["0"], inputs), _run_joint(programs["1"], inputs)
+    assert len(got) == len(want) == 10
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_checkpointed_layers_are_traced_op_by_op(monkeypatch):
     """A layer under activation checkpointing is a higher-order op in Dynamo's graph (its body
     a graph attribute): never copied, and the capture is the op-by-op one."""
