@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import time
@@ -36,7 +35,7 @@ from inductor_passes.sharding.config import PlannerConfig
 from inductor_passes.sharding.propagate import PARAMETER_VIEWS, Plan, propagate
 from inductor_passes.sharding.rules import RuleKind
 
-from . import agreement, compiled_autograd, patches, plan_cache
+from . import agreement, compiled_autograd, gc_pause, patches, plan_cache
 from . import symbolic as symbolic_shapes
 from .agreement import plan_once
 from .annotations import checked_placements
@@ -161,7 +160,7 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
             # autocast disabled would be cast again
             amp = compat.autocast_state()
             with compat.disable_local_tensor_mode(), compiled_autograd.disabled(), \
-                    compat.autocast_as(()), _no_full_collections():
+                    compat.autocast_as(()), gc_pause.full_collections_paused():
                 compiled = _compile(gm, list(example_inputs), inductor, config, simulate,
                                     amp=amp)
         if not isinstance(compiled, DistStep):  # planned programs were compared before Inductor
@@ -171,31 +170,6 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
         raise
     return compiled
 
-
-
-@contextlib.contextmanager
-def _no_full_collections():
-    """Python's full (oldest-generation) garbage collections paused while one graph compiles;
-    the young generations are collected as usual. A full collection walks every tracked object
-    of the process (the model, torch's modules, the graphs being built), and one ran every time
-    the heap grew by a quarter: 17 of them, 4.7 s of a 32-layer Llama's compile, against 0.8 s
-    for all the young ones. The compile's cyclic garbage that reached the oldest generation
-    waits for the first full collection after it, which Python runs at its next young one.
-    ``DYNAMO_DIST_FULL_GC=1`` keeps Python's own schedule; ValueError for another value."""
-    flag = os.environ.get("DYNAMO_DIST_FULL_GC", "0")
-    if flag not in ("0", "1"):
-        raise ValueError(f"DYNAMO_DIST_FULL_GC={flag!r}: fix: use 0 (pause full collections "
-                         f"while compiling, the default) or 1 (Python's own schedule)")
-    young, middle, old = gc.get_threshold()
-    if flag == "1" or not gc.isenabled():
-        yield
-        return
-    gc.set_threshold(young, middle, 1 << 30)  # never reached: no full collection
-    try:
-        yield
-    finally:
-        if gc.get_threshold() == (young, middle, 1 << 30):  # (unless the program changed it)
-            gc.set_threshold(young, middle, old)
 
 
 def _code_name(gm: fx.GraphModule) -> str:

@@ -28,6 +28,7 @@ from inductor_passes.core.compat import (STATIC_FIX, DTensorSpec, OpSchema, Outp
 from inductor_passes.core.errors import DistCompileError
 from inductor_passes.layout import contiguous_strides
 
+from . import gc_pause
 from .mesh import Mesh
 
 
@@ -45,12 +46,28 @@ def install() -> None:
         install_sharding_cache_clear_on_destroy()
         install_metadata_attr_folding()
     install_backend_ctx_with_options()
+    install_frame_compile_gc_pause()
     install_whole_step()
     install_symbolic_plain_tensor_wrapping()
     install_dynamo_tracing_fallback()
     install_strided_redistribute_fallback()
     install_plain_random_while_tracing()
     install_requires_grad_setattr()
+
+
+def _paused_for_dist(original, compiler_fn, args, kwargs):
+    if not compat.is_dist_compiler(compiler_fn):
+        return original(*args, **kwargs)
+    with gc_pause.full_collections_paused():
+        return original(*args, **kwargs)
+
+
+def install_frame_compile_gc_pause() -> bool:
+    """While Dynamo compiles a frame for ``dist`` (its trace, our backend, its guards), Python's
+    full garbage collections are paused (``gc_pause``): at 32 layers they were about 2 s of
+    Dynamo's trace beyond the backend's own. Other backends' compiles, and every call of a
+    compiled function, keep Python's schedule. Returns whether it is installed."""
+    return compat.wrap_frame_compile(_paused_for_dist)
 
 
 def install_plain_random_while_tracing() -> bool:

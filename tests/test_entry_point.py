@@ -22,9 +22,11 @@ def test_backend_resolves_without_import():
     assert "resolved" in proc.stdout
 
 
-def test_full_collections_paused_while_a_graph_compiles_only(monkeypatch):
-    """While the backend compiles a graph, Python's full garbage collections are paused (the
-    young generations' thresholds kept); afterwards the process's thresholds are as they were.
+def test_full_collections_paused_while_dist_compiles_only(monkeypatch):
+    """While Dynamo compiles a frame for ``dist`` (seen from its compile-start callback, inside
+    the frame's compile) and while the backend compiles, Python's full garbage collections are
+    paused (the young generations' thresholds kept); another backend's compile, and the
+    compiled function's calls, keep the process's thresholds, restored afterwards.
     ``DYNAMO_DIST_FULL_GC=1`` keeps Python's schedule; another value is an error naming it."""
     import gc
 
@@ -33,29 +35,49 @@ def test_full_collections_paused_while_a_graph_compiles_only(monkeypatch):
 
     import dynamo_dist.backend as backend
 
-    seen = []
+    seen: dict[str, list] = {"backend": [], "frame": [], "call": []}
     real = backend._compile
 
     def spy(*args, **kwargs):
-        seen.append(gc.get_threshold())
+        seen["backend"].append(gc.get_threshold())
         return real(*args, **kwargs)
+
+    def started(*args):
+        seen["frame"].append(gc.get_threshold())
 
     monkeypatch.setattr(backend, "_compile", spy)
     before = gc.get_threshold()
     x = torch.randn(8)
 
-    def compile_once():
-        torch._dynamo.reset()
-        f = torch.compile(lambda t: torch.sin(t) * 2, backend=backend.dist_backend)
-        torch.testing.assert_close(f(x), torch.sin(x) * 2)
+    def fn(t):
+        return torch.sin(t) * 2
 
-    compile_once()
-    assert seen[-1][:2] == before[:2] and seen[-1][2] >= 1 << 30, (seen, before)
-    assert gc.get_threshold() == before
-    monkeypatch.setenv("DYNAMO_DIST_FULL_GC", "1")
-    compile_once()
-    assert seen[-1] == before and gc.get_threshold() == before
-    monkeypatch.setenv("DYNAMO_DIST_FULL_GC", "yes")
-    with pytest.raises(Exception, match="DYNAMO_DIST_FULL_GC"):
-        compile_once()
+    def compile_once(compiler):
+        torch._dynamo.reset()  # (which clears Dynamo's callbacks)
+        callbacks = torch._dynamo.callback_handler
+        callbacks.register_start_callback(started)
+        try:
+            f = torch.compile(fn, backend=compiler)
+            torch.testing.assert_close(f(x), torch.sin(x) * 2)
+            seen["call"].append(gc.get_threshold())
+        finally:
+            if started in callbacks.start_callbacks:
+                callbacks.remove_start_callback(started)
+
+    try:
+        compile_once(backend.dist_backend)
+        for where in ("backend", "frame"):
+            assert seen[where][-1][:2] == before[:2] and seen[where][-1][2] >= 1 << 30, \
+                (where, seen, before)
+        assert seen["call"][-1] == before and gc.get_threshold() == before
+        compile_once("eager")  # another backend: Python's schedule
+        assert seen["frame"][-1] == before
+        monkeypatch.setenv("DYNAMO_DIST_FULL_GC", "1")
+        compile_once(backend.dist_backend)
+        assert seen["backend"][-1] == before and seen["frame"][-1] == before
+        monkeypatch.setenv("DYNAMO_DIST_FULL_GC", "yes")
+        with pytest.raises(Exception, match="DYNAMO_DIST_FULL_GC"):
+            compile_once(backend.dist_backend)
+    finally:
+        torch._dynamo.reset()
     assert gc.get_threshold() == before

@@ -521,7 +521,11 @@ def dist_backend_is_tracing() -> bool:
     from torch._dynamo import symbolic_convert
 
     tx = getattr(symbolic_convert.tls, "current_tx", None)
-    fn = getattr(getattr(tx, "output", None), "compiler_fn", None)
+    return is_dist_compiler(getattr(getattr(tx, "output", None), "compiler_fn", None))
+
+
+def is_dist_compiler(fn) -> bool:
+    """``fn`` (a compiler function as Dynamo holds it) is the ``dist`` backend."""
     for _ in range(8):  # unwrap Dynamo's debug wrapper and torch.compile's options wrapper
         if fn is None:
             return False
@@ -529,6 +533,37 @@ def dist_backend_is_tracing() -> bool:
             return True
         fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
     return False
+
+
+def wrap_frame_compile(wrap: Callable) -> bool:
+    """Replace Dynamo's compile of one frame (``convert_frame._compile``: its trace, the
+    backend's call and its guards) by ``wrap(original, compiler_fn, args, kwargs)``. Idempotent
+    per ``wrap``; False where Dynamo has no such function or it takes no ``compiler_fn`` (the
+    argument is found by name; checked on torch 2.13)."""
+    import functools
+    import inspect
+
+    from torch._dynamo import convert_frame
+
+    original = getattr(convert_frame, "_compile", None)
+    if original is None:
+        return False
+    if wrap in getattr(original, "_dynamo_dist_wraps", ()):
+        return True
+    try:
+        slot = list(inspect.signature(original).parameters).index("compiler_fn")
+    except (ValueError, TypeError):
+        return False
+
+    @functools.wraps(original)
+    def _compile(*args, **kwargs):
+        fn = kwargs["compiler_fn"] if "compiler_fn" in kwargs else \
+            args[slot] if len(args) > slot else None
+        return wrap(original, fn, args, kwargs)
+
+    _compile._dynamo_dist_wraps = (*getattr(original, "_dynamo_dist_wraps", ()), wrap)
+    convert_frame._compile = _compile
+    return True
 
 
 def dynamo_frame_file() -> str | None:
