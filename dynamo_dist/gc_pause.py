@@ -3,11 +3,11 @@
 A full (oldest-generation) collection walks every tracked object of the process: the model,
 torch's modules, and the graphs and fake values a compile builds. Python runs one whenever the
 heap has grown by a quarter since the last, so a compile that builds a large heap pays for
-several: on the 32-layer demo-width Llama (fake dp=2 x tp=2), 17 of them took 4.7-5.0 s of the
-backend's compile and more during Dynamo's trace, against 0.8 s for all 5,200 young ones. Paused
-(the oldest generation's threshold set out of reach, the young ones as they were), the compile's
-cyclic garbage that reached the oldest generation is collected by the first full collection
-after it (0.5 s there), which Python runs at its next young one.
+several: in a process compiling the 32-layer demo-width Llama (fake dp=2 x tp=2), 17 of them
+took 4.7-5.0 s, against 0.8 s for all 5,200 young ones; with the pause, 3 remain (1.25 s).
+The pause sets the oldest generation's threshold out of reach and leaves the young ones as
+they were; the compile's cyclic garbage that reached the oldest generation is collected by the
+first full collection after it (0.5 s there), which Python runs at its next young one.
 """
 
 from __future__ import annotations
