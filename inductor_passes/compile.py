@@ -216,8 +216,8 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
         # a layer saved other values than its copies: again, with their saves (see align_saves)
         fw_gm, bw_gm = split()
     for gm in (fw_gm, bw_gm):  # the partitioner leaves a dead copy of a forced-save collective's input
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
+        if gm.graph.eliminate_dead_code():  # (the partitioner's code is current otherwise: an
+            gm.recompile()                  # 8k-node graph's recompile is 0.15 s)
     # each gradient's reduce_scatter where the gradient is ready, not at the end of the backward
     schedule.land_outputs_early(bw_gm)
     # each layer's parameter gathers issued during the layer before it (FSDP's prefetch)
