@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from inductor_passes.core import compat
 from inductor_passes.core.layers import layer_of
 from inductor_passes.outline import switch
-from inductor_passes.stamp import FakeCopier, NotStamped
+from inductor_passes.stamp import FakeCopier, NotStamped, place
 
 log = logging.getLogger("dynamo_dist.layer_capture")
 
@@ -375,20 +375,15 @@ class _Emitter:
             # named as make_fx names an op's node (by its overload packet)
             packet = getattr(n.target, "overloadpacket", None)
             name = graph._target_to_str(packet.__name__) if packet is not None else None
-            new = graph.create_node(n.op, n.target, args, kwargs, name, n.type)
-            new.meta.update(self._meta(n.meta))
+            meta = self._meta(n.meta)
             if "eager_input_vals" in n.meta:  # a custom op's inputs as it saw them: this run's
-                new.meta["eager_input_vals"] = fx.map_arg(
+                meta["eager_input_vals"] = fx.map_arg(
                     (tuple(args), dict(kwargs)), lambda a: a.meta.get("val"))
             val = n.meta.get("val")
-            if isinstance(val, torch.Tensor):
+            if isinstance(val, torch.Tensor) or isinstance(val, (tuple, list)) and \
+                    any(isinstance(v, torch.Tensor) for v in val):
                 val = self.fakes.copy(val)
-                compat.track_value(val, new, self.tracer, n.meta.get("tensor_meta"))
-            elif isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val):
-                val = self.fakes.copy(val)
-                new.meta["val"] = val
-            else:
-                new.meta["val"] = val
+            new = place(self.tracer, n, args, kwargs, val, meta, name)
             self.env[n], self.vals[n] = new, val
             n = n.next
 

@@ -177,12 +177,13 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
         env.update(zip(tangents, tangents_in))
         traced = _sizes_from(primals_in)
         cache: dict[tuple[fx.Node, Placements], torch.Tensor] = {}
-        copies: MoveCopies | None = None  # (set at the output, below)
-
         placements = {n: plan.placement(n.name) for n in gm.graph.nodes if n.name in plan.nodes}
         stamper = stamp.LayerStamper(
             segs, env, cache, ledger, fake_mode,
             direct=lambda a, req: replicate_source(a, req, placements) is a) if segs else None
+        # the outputs' moves (each gradient to its parameter's placement) are alike: each kind
+        # is made once and copied (``stamp.MoveCopies``), where layers are copied too
+        copies = MoveCopies(fake_mode) if segs else None
 
         def read(key: tuple) -> bool:
             """Whether the cache holds ``key`` (told to the stamper: a copy must find it alike)."""
@@ -326,9 +327,6 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                 stamper.after(node)
 
         output = next(iter(gm.graph.find_nodes(op="output")))
-        # the outputs' moves (each gradient to its parameter's placement) are alike: each kind
-        # is made once and copied (``stamp.MoveCopies``), where layers are copied too
-        copies = MoveCopies(fake_mode) if segs else None
         results = []
         reqs = iter(plan.nodes[output.name].inputs)
         for k, o in enumerate(output.args[0]):

@@ -128,7 +128,7 @@ class LayerStamper:
 
     # --- recording the representative -------------------------------------------------------
     def _last(self) -> fx.Node:
-        return next(iter(reversed(self.tracer.graph.nodes)))
+        return _last(self.tracer)
 
     def before(self, node: fx.Node) -> bool:
         if node in self.done:
@@ -174,10 +174,7 @@ class LayerStamper:
         """The local nodes made since ``mark`` compute the cache entry ``key``."""
         if self.recording is None or mark is None:
             return
-        n = mark.next
-        while n.op != "root":
-            self.recording.moves.setdefault(key, []).append(n)
-            n = n.next
+        self.recording.moves.setdefault(key, []).extend(_made_after(mark))
 
     def read(self, key: tuple, hit: bool) -> None:
         if self.recording is not None:
@@ -274,7 +271,7 @@ class LayerStamper:
             for k in _META_FIELDS:
                 if k in src.meta and k != "seq_nr":
                     meta[k] = src.meta[k] if k == "stack_trace" else copy.copy(src.meta[k])
-            lmap[n] = new = _place(tracer, n, args, kwargs, vals[n], meta)
+            lmap[n] = new = place(tracer, n, args, kwargs, vals[n], meta)
             objs[new] = vals[n]
 
         def mapped(t: torch.Tensor) -> torch.Tensor:
@@ -306,11 +303,26 @@ class LayerStamper:
         return node
 
 
-def _place(tracer, n: fx.Node, args, kwargs, val: Any, meta: dict) -> fx.Node:
-    """A copy of local node ``n`` added to the trace: ``args``/``kwargs`` its arguments in the
-    copy, ``val`` its fresh value (tracked as make_fx tracks an op's result), ``meta`` its
-    metadata but for the value."""
-    new = tracer.graph.create_node(n.op, n.target, args, kwargs, type_expr=n.type)
+def _last(tracer) -> fx.Node:
+    """The last node of ``tracer``'s graph (a mark: what is made after it is a step's)."""
+    return next(iter(reversed(tracer.graph.nodes)))
+
+
+def _made_after(mark: fx.Node) -> list[fx.Node]:
+    """The nodes after ``mark`` in its graph, in order."""
+    made, n = [], mark.next
+    while n.op != "root":
+        made.append(n)
+        n = n.next
+    return made
+
+
+def place(tracer, n: fx.Node, args, kwargs, val: Any, meta: dict,
+          name: str | None = None) -> fx.Node:
+    """A copy of node ``n`` added to the trace: ``args``/``kwargs`` its arguments in the copy,
+    ``val`` its fresh value (tracked as make_fx tracks an op's result), ``meta`` its metadata
+    but for the value, ``name`` its name (default: the graph's name for the target)."""
+    new = tracer.graph.create_node(n.op, n.target, args, kwargs, name, n.type)
     new.meta.update(meta)
     if isinstance(val, torch.Tensor):
         compat.track_value(val, new, tracer, n.meta.get("tensor_meta"))
@@ -357,7 +369,7 @@ class MoveCopies:
         return _layout(x), src, dst, shape
 
     def mark(self) -> fx.Node:
-        return next(iter(reversed(self.tracer.graph.nodes)))
+        return _last(self.tracer)
 
     def made(self, key: tuple, value: torch.Tensor, mark: fx.Node, result: Any,
              sent: list[tuple]) -> None:
@@ -365,10 +377,7 @@ class MoveCopies:
         if key in self.moves:
             return
         node = compat.proxy_node(value, self.tracer)
-        made, n = [], mark.next
-        while n.op != "root":
-            made.append(n)
-            n = n.next
+        made = _made_after(mark)
         inside = {node, *made}
         usable = node is not None and isinstance(result, torch.Tensor) and \
             all(a in inside for m in made for a in m.all_input_nodes) and \
@@ -393,7 +402,7 @@ class MoveCopies:
             for n, val in zip(move.made, vals):
                 args, kwargs = fx.map_arg((n.args, n.kwargs), lambda a: lmap[a])
                 meta = {k: v for k, v in n.meta.items() if k not in ("val", "tensor_meta")}
-                lmap[n] = new = _place(self.tracer, n, args, kwargs, val, meta)
+                lmap[n] = new = place(self.tracer, n, args, kwargs, val, meta)
                 objs[new] = val
         self.copied += 1
         return objs[lmap[compat.proxy_node(move.result, self.tracer)]], move.sent
