@@ -39,7 +39,7 @@ import functools
 import hashlib
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -125,17 +125,48 @@ def _fingerprint(gm: fx.GraphModule) -> str:
     return hashlib.sha256(repr(tags).encode()).hexdigest()[:16]
 
 
-def inductor_config(gm: fx.GraphModule) -> dict:
-    """Inductor config entries that bucket ``gm``'s collectives (and its bodies') layer by
-    layer with our cap; empty when bucketing is off."""
+def bucket_pass(gm: fx.GraphModule) -> tuple[Callable[[fx.Graph], None], tuple] | None:
+    """The post-grad pass (and its cache key) that buckets ``gm``'s collectives (and its
+    bodies') layer by layer with our cap, for ``compat.post_grad_pass``; None when bucketing
+    is off."""
     cap = _cap_fn()
     if cap is None:
-        return {}
+        return None
 
     def bucket(graph) -> None:
         compat.bucket_collectives(graph.owning_module, cap, _layer)
+        drop_layout_copies_into_buckets(graph)
 
-    return compat.post_grad_pass(bucket, ("layer-buckets-2", cap.args[0], _fingerprint(gm)))
+    return bucket, ("layer-buckets-3", cap.args[0], _fingerprint(gm))
+
+
+def drop_layout_copies_into_buckets(graph: fx.Graph) -> int:
+    """Feed each bucket's eager copy-in (``compat.eager_copy_in_ops``) the view a ``clone``
+    made contiguous, not the clone; returns how many clones were dropped. Why: a collective
+    over a tensor dim other than 0 is lowered as transpose, ``clone`` (contiguous), collective
+    on dim 0; the copy-in reads the view's values in logical order whatever its strides, so the
+    clone is a second copy, and one more generated kernel per shape. A clone read by anything
+    else is kept."""
+    import torch
+
+    ops = compat.eager_copy_in_ops()
+    dropped = 0
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in ops]:
+        inputs = list(node.args[0])
+        for k, src in enumerate(inputs):
+            if isinstance(src, fx.Node) and src.target is torch.ops.aten.clone.default \
+                    and len(src.users) == 1 and isinstance(src.args[0], fx.Node):
+                inputs[k] = src.args[0]
+                dropped += 1
+        if inputs != list(node.args[0]):
+            node.args = (inputs, *node.args[1:])
+            # the strides the merge traced (the clones'): Inductor would copy the views back
+            # to them
+            node.meta.pop("eager_input_vals", None)
+    for node in [n for n in graph.nodes if n.target is torch.ops.aten.clone.default
+                 and not n.users]:
+        graph.erase_node(node)
+    return dropped
 
 
 def predicted_buckets(gm: fx.GraphModule) -> dict[str, list[int]]:

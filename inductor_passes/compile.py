@@ -16,7 +16,7 @@ from inductor_passes.core import compat
 from inductor_passes.core import inductor_fix  # noqa: F401  (installs the fix on import)
 from inductor_passes.core.collectives import collective_kind
 
-from . import comm, dedup, layer_partition, memory, outline, prefetch, schedule
+from . import comm, dedup, layer_partition, matmul_sums, memory, outline, prefetch, schedule
 from .align_saves import align_saves
 
 # Part of Inductor's FX-graph cache key for our compiles: an artifact compiled before
@@ -113,12 +113,26 @@ def _inductor(gm: fx.GraphModule, inputs: list, is_backward: bool, visible: int
         i for i, a in enumerate(out.args[0][:visible]) if isinstance(a, fx.Node)]
     fake_mode = compat.detect_fake_mode(inputs)
     with compat.tracing(compat.TracingContext(fake_mode)), \
-            compat.inductor_config_patch({**comm.inductor_config(gm),
+            compat.inductor_config_patch({**_post_grad_config(gm),
                                           **prefetch.inductor_config(gm)}), \
             _cache_key_tagged(), \
             compat.reported_output_strides() as strides:
         compiled = compat.compile_fx_inner(gm, inputs, is_backward=is_backward)
         return compiled, list(strides)
+
+
+def _post_grad_config(gm: fx.GraphModule) -> dict:
+    """Inductor config entries running our post-grad passes on ``gm`` and its bodies, in
+    order: matmul sums folded into ``addmm`` (``matmul_sums``), then collectives bucketed
+    (``comm``, when on)."""
+    passes = [(matmul_sums.fold, matmul_sums.UUID), comm.bucket_pass(gm)]
+    passes = [p for p in passes if p is not None]
+
+    def run(graph: fx.Graph) -> None:
+        for fn, _ in passes:
+            fn(graph)
+
+    return compat.post_grad_pass(run, tuple(key for _, key in passes))
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -125,7 +125,7 @@ def test_zero_turns_bucketing_off(monkeypatch):
     assert comm.bucket_cap_mb() == 0
     import torch.fx as fx
 
-    assert comm.inductor_config(fx.symbolic_trace(torch.nn.Linear(2, 2))) == {}
+    assert comm.bucket_pass(fx.symbolic_trace(torch.nn.Linear(2, 2))) is None
 
 
 def test_a_shared_all_reduce_input_gets_its_own_copy_when_bucketing(monkeypatch):
@@ -155,3 +155,49 @@ def test_a_shared_all_reduce_input_gets_its_own_copy_when_bucketing(monkeypatch)
     assert shared.target is torch.ops.aten.mul.Tensor and shared.args[1] == 1
     assert shared.args[0].name == "sum_1" and len(shared.args[0].users) == 2  # still read by add
     assert alone.target is not torch.ops.aten.mul.Tensor  # read once: no copy
+
+
+def _bucket_graph(op_name: str):
+    """x (4 x 6), y (6 x 4): a bucket's eager copy-in fed x's transpose made contiguous by a
+    clone, y read by another op too (its clone also feeds the result), and y itself."""
+    import torch.fx as fx
+
+    import torch._inductor.fx_passes.bucketing  # noqa: F401  (registers torch.ops.bucketing)
+
+    op = getattr(torch.ops.bucketing, op_name).default
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    xt = g.call_function(torch.ops.aten.clone.default,
+                         (g.call_function(torch.ops.aten.permute.default, (x, [1, 0])),))
+    yc = g.call_function(torch.ops.aten.clone.default, (y,))
+    extra = (2,) if op_name == "_pre_bucket_reduce_scatter" else (2, torch.float32, [15] * 3, 0)
+    bucket = g.call_function(op, ([xt, yc, y], *extra))
+    bucket.meta["eager_input_vals"] = "traced strides"
+    g.output((bucket, g.call_function(torch.ops.aten.mul.Tensor, (yc, 2))))
+    return fx.GraphModule(torch.nn.Module(), g), bucket, yc
+
+
+@pytest.mark.parametrize("op_name", ["_pre_bucket_reduce_scatter", "_pre_bucket_all_gather"])
+def test_a_bucket_copies_in_transposed_views_without_a_clone(op_name):
+    """A collective over tensor dim 1 is lowered as transpose, clone, collective on dim 0; a
+    bucket's eager copy-in reads the transposed view in logical order, so the clone is dropped
+    (one generated copy kernel less per shape), and the bucket's values are unchanged. A clone
+    read by another op is kept, and the merge's traced input strides are forgotten (Inductor
+    would copy the view back to them)."""
+    import torch.fx as fx
+
+    gm, bucket, kept = _bucket_graph(op_name)
+    x, y = torch.randn(4, 6), torch.randn(6, 4)
+    before = gm(x, y)
+    assert comm.drop_layout_copies_into_buckets(gm.graph) == 1
+    gm.recompile()
+    inputs = bucket.args[0]
+    assert inputs[0].target is torch.ops.aten.permute.default  # the view, not its clone
+    assert inputs[1] is kept and len(kept.users) == 2  # read by mul too: kept
+    assert "eager_input_vals" not in bucket.meta
+    assert len(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.clone.default)) == 1
+    after = gm(x, y)
+    if op_name == "_pre_bucket_all_gather":  # rank 0's slice is copied in; the rest is empty
+        before, after = (before[0][:72], before[1]), (after[0][:72], after[1])
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert comm.drop_layout_copies_into_buckets(fx.symbolic_trace(lambda a: a + 1).graph) == 0

@@ -711,18 +711,37 @@ def _find(bucketing, gm, cap_mb_by_bucket, test: str, key: str, extra_key) -> li
         gm, cap_mb_by_bucket, getattr(bucketing, test), lambda n: (base(n), extra_key(n)))
 
 
+# Inductor's merge mode that copies a bucket's inputs into its flat buffer eagerly, in one
+# custom op per bucket (``bucketing::_pre_bucket_reduce_scatter`` / ``_pre_bucket_all_gather``:
+# a ``cat`` / ``_foreach_copy_``, as FSDP2 copies in), rather than in generated kernels: one
+# kernel per input shape and offset, each compiled. The custom ops read any strides.
+EAGER_COPY_IN_MODE = "custom_ops"
+
+
+def eager_copy_in_ops() -> tuple:
+    """The custom ops that copy a bucket's inputs in under ``EAGER_COPY_IN_MODE``: their first
+    argument is the list of the bucket's inputs."""
+    bucketing = _bucketing_module()
+    ops = getattr(torch.ops, "bucketing", None)
+    if bucketing is None or ops is None:
+        return ()
+    return tuple(getattr(ops, name).default for name in
+                 ("_pre_bucket_reduce_scatter", "_pre_bucket_all_gather") if hasattr(ops, name))
+
+
 def bucket_collectives(gm: "torch.fx.GraphModule", cap_mb_by_bucket: Callable[[int], float],
                        extra_key: Callable[["torch.fx.Node"], Any]) -> None:
     """Merge the buckets ``find_buckets`` forms, kind by kind in Inductor's order, with
-    Inductor's own merge functions (one collective over a flat buffer per bucket). A bucket's
-    wait goes where its members' first wait was when that is after its last member (a gather
-    issued a layer early, ``prefetch``, is still waited for where the layer starts); else right
-    after the merged collective, as Inductor places it."""
+    Inductor's own merge functions (one collective over a flat buffer per bucket; inputs copied
+    in eagerly, ``EAGER_COPY_IN_MODE``). A bucket's wait goes where its members' first wait was
+    when that is after its last member (a gather issued a layer early, ``prefetch``, is still
+    waited for where the layer starts); else right after the merged collective, as Inductor
+    places it."""
     bucketing = _bucketing_module()
     for _, test, key, merge in _BUCKETERS:
         # found again after each kind's merge: the graph changed
         for bucket in _find(bucketing, gm, cap_mb_by_bucket, test, key, extra_key):
-            getattr(bucketing, merge)(gm.graph, bucket,
+            getattr(bucketing, merge)(gm.graph, bucket, mode=EAGER_COPY_IN_MODE,
                                       wait_insertion_point=_first_wait_after(gm, bucket))
     # a merged collective sits where its first member was; users of a later member's inputs
     # may come before it (Inductor's own bucketing sorts the same way after merging)
