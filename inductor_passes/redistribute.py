@@ -3,7 +3,7 @@
 Runs while tracing the local graph (``make_fx``), on local tensors. Per mesh axis:
 
     Shard(a)   -> Shard(b)    all_to_all_single
-    Shard(d)   -> Replicate   all_gather_into_tensor (along dim 0 of a movedim'd view)
+    Shard(d)   -> Replicate   all_gather_into_tensor (pieces stacked on dim 0, joined on d)
     Partial    -> Replicate   all_reduce (avg = sum then divide: gloo has no AVG)
     Partial    -> Shard(d)    reduce_scatter_tensor (sum/avg); max/min reduce then slice
     Replicate  -> Shard(d)    local slice at this rank's coordinate (no communication)
@@ -117,13 +117,18 @@ def all_gather(x: torch.Tensor, dim: int, ax: AxisGroup, record: Record,
     if uneven:
         x = _pad_to(x, dim, step)
     record("all_gather", ax, x)
-    moved = x.movedim(dim, 0).contiguous() if dim != 0 else x.contiguous()
-    out = _as_sent(_wait(c10d.all_gather_into_tensor(_as_bytes(moved), ax.size,
+    x = x.contiguous()
+    out = _as_sent(_wait(c10d.all_gather_into_tensor(_as_bytes(x), ax.size,
                                                      ax.group_name)), x)
-    out = out.narrow(0, 0, size) if uneven else out
+    if dim != 0:
+        # the ranks' pieces come stacked on dim 0: joined along ``dim`` by one copy (DTensor's
+        # cat of chunks). Moving ``dim`` to the front before the gather and back after cost
+        # two, and a generated kernel each
+        pieces = out.view(ax.size, *x.shape).movedim(0, dim)
+        out = pieces.reshape(*x.shape[:dim], ax.size * x.shape[dim], *x.shape[dim + 1:])
     # contiguous, as DTensor's gather (a cat) is: some kernels read a layout they assume
     # (fractional_max_pool3d_backward took permuted indices for contiguous ones)
-    return out.movedim(0, dim).contiguous() if dim != 0 else out
+    return out.narrow(dim, 0, size).contiguous() if uneven else out
 
 
 def all_reduce(x: torch.Tensor, op: str, ax: AxisGroup, record: Record) -> torch.Tensor:

@@ -777,3 +777,28 @@ def test_a_strided_parameter_is_cut_as_dtensor_cuts_it(fake_mesh, rank, pls):
     # fallback``, installed with the backend)
     theirs = distribute_tensor(value, mesh, [R, R]).redistribute(mesh, pls)
     assert torch.equal(got.to_local(), theirs.to_local()), (rank, fmt(pls))
+
+
+@pytest.mark.parametrize("dim,size", [(1, 12), (2, 4), (1, 11)])
+def test_a_gather_on_a_later_dim_copies_once(fake_mesh, dim, size):
+    """Shard(d) -> Replicate for d > 0: the local piece is gathered as it is (no transposed
+    copy before the collective) and the ranks' stacked pieces are joined along d by one copy;
+    the result is contiguous and equals the whole tensor on every rank (dim 1 of 11 over 2
+    ranks: uneven, padded and cut)."""
+    mesh = fake_mesh((2,), ("tp",))
+    shape = [6, 12, 4]
+    shape[dim] = size
+    full = torch.randn(*shape, dtype=torch.float64)
+    got, _, graphs = _redistribute_on_ranks(mesh, full, (Shard(dim),), (R,))
+    for coord, x in got.items():
+        assert torch.equal(x, full) and x.is_contiguous(), coord
+    aten = torch.ops.aten
+    for g in graphs.values():
+        nodes = [n for n in g.graph.nodes if n.op == "call_function"]
+        gather = next(k for k, n in enumerate(nodes) if "all_gather" in str(n.target))
+        before = {n.target for n in nodes[:gather]}
+        assert not before & {aten.permute.default, aten.clone.default}, before
+        copies = [n for n in nodes[gather:] if n.target in (aten.clone.default,
+                                                             aten.cat.default)]
+        # uneven: the cut is made contiguous by a second copy (Inductor fuses the two)
+        assert len(copies) == (2 if size % 2 else 1), [n.target for n in copies]
