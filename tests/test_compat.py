@@ -119,6 +119,12 @@ def test_inductor_bucketing_and_partitioner_hooks():
     assert compat.can_bucket() == trusted
     assert compat.find_buckets(fx.symbolic_trace(torch.nn.Linear(2, 2)), cap, lambda n: None) == {
         "all_gather": [], "reduce_scatter": [], "all_reduce": []}
+    if trusted:  # the eager copy-in merge mode and its two custom ops, which comm feeds views
+        from torch._inductor.fx_passes import bucketing
+
+        assert compat.EAGER_COPY_IN_MODE in bucketing.BucketMode.__args__
+        assert [op.name() for op in compat.eager_copy_in_ops()] == [
+            "bucketing::_pre_bucket_reduce_scatter", "bucketing::_pre_bucket_all_gather"]
     seen = []
     entries = compat.post_grad_pass(seen.append, "u1")
     with compat.inductor_config_patch(entries):

@@ -721,10 +721,9 @@ EAGER_COPY_IN_MODE = "custom_ops"
 def eager_copy_in_ops() -> tuple:
     """The custom ops that copy a bucket's inputs in under ``EAGER_COPY_IN_MODE``: their first
     argument is the list of the bucket's inputs."""
-    bucketing = _bucketing_module()
-    ops = getattr(torch.ops, "bucketing", None)
-    if bucketing is None or ops is None:
+    if _bucketing_module() is None:  # (importing it registers ``torch.ops.bucketing``)
         return ()
+    ops = torch.ops.bucketing
     return tuple(getattr(ops, name).default for name in
                  ("_pre_bucket_reduce_scatter", "_pre_bucket_all_gather") if hasattr(ops, name))
 
