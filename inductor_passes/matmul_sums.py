@@ -8,7 +8,8 @@ pass over the tensor each step) that DTensor, all-reducing each matmul on its ow
 need. ``addmm(a, x, y)`` computes ``a + x @ y`` in the matmul's own epilogue (BLAS's
 ``beta = 1``), so ``add(mm_1, mm_2)`` becomes ``addmm(mm_1, x_2, y_2)`` and the add kernel
 disappears. Only matmuls whose one use is the sum are absorbed (nothing is computed twice), and
-only sums of operands of one dtype and the add's own shape (no broadcast, no type promotion).
+only sums of operands of one dtype and the add's own shape (no broadcast, no type promotion),
+of static shapes (a dynamic batch keeps its add).
 
 Runs as part of Inductor's post-grad custom pass (``compile._inductor``), on every graph
 Inductor compiles, shared layer bodies included.
@@ -28,8 +29,12 @@ UUID = "matmul-sums-1"  # change whenever ``fold`` would rewrite a graph differe
 
 
 def _val(node) -> torch.Tensor | None:
+    """``node``'s fake value when it is a tensor of static shape (comparing symbolic sizes
+    would add guards this late), else None."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
+    if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+        return None
+    return val
 
 
 def _matmul_2d(node: fx.Node) -> fx.Node | None:
