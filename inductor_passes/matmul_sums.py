@@ -75,8 +75,10 @@ def fold(graph: fx.Graph) -> int:
             if mm is None or other is None or other is mm:
                 continue
             mm_val, other_val = _val(mm), _val(other)
-            if mm_val is None or other_val is None or other_val.shape != mm_val.shape \
-                    or other_val.dtype != mm_val.dtype or not other_val.is_contiguous():
+            operands = [_val(a) for a in mm.args]
+            if mm_val is None or other_val is None or any(v is None for v in operands) \
+                    or other_val.shape != mm_val.shape or other_val.dtype != mm_val.dtype \
+                    or not other_val.is_contiguous():
                 continue
             fake = compat.detect_fake_mode([mm_val])
             if fake is None:  # Inductor's graphs carry fake values; anything else is left
@@ -86,7 +88,7 @@ def fold(graph: fx.Graph) -> int:
                 result = addmm if tuple(out.shape) == tuple(mm_val.shape) else \
                     graph.call_function(aten.view.default, (addmm, list(out.shape)))
             with fake:
-                addmm.meta["val"] = aten.addmm.default(other_val, *(_val(a) for a in mm.args))
+                addmm.meta["val"] = aten.addmm.default(other_val, *operands)
                 if result is not addmm:
                     result.meta["val"] = addmm.meta["val"].view(out.shape)
             if "stack_trace" in add.meta:  # the user's line, for Inductor's comments
