@@ -147,26 +147,23 @@ def drop_layout_copies_into_buckets(graph: fx.Graph) -> int:
     on dim 0; the copy-in reads the view's values in logical order whatever its strides, so the
     clone is a second copy, and one more generated kernel per shape. A clone read by anything
     else is kept."""
-    import torch
-
     ops = compat.eager_copy_in_ops()
-    dropped = 0
+    dropped: list[fx.Node] = []
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in ops]:
         inputs = list(node.args[0])
         for k, src in enumerate(inputs):
             if isinstance(src, fx.Node) and src.target is torch.ops.aten.clone.default \
                     and len(src.users) == 1 and isinstance(src.args[0], fx.Node):
                 inputs[k] = src.args[0]
-                dropped += 1
+                dropped.append(src)
         if inputs != list(node.args[0]):
             node.args = (inputs, *node.args[1:])
             # the strides the merge traced (the clones'): Inductor would copy the views back
             # to them
             node.meta.pop("eager_input_vals", None)
-    for node in [n for n in graph.nodes if n.target is torch.ops.aten.clone.default
-                 and not n.users]:
-        graph.erase_node(node)
-    return dropped
+    for clone in dict.fromkeys(dropped):  # (a clone fed twice to one bucket is dropped once)
+        graph.erase_node(clone)
+    return len(dropped)
 
 
 def predicted_buckets(gm: fx.GraphModule) -> dict[str, list[int]]:
@@ -192,8 +189,6 @@ def copy_shared_all_reduce_inputs(gm: fx.GraphModule) -> int:
     gradient reduce-scattered after its statistic was all-reduced came out 2x). The copy is the
     one living in the bucket; the original keeps its own buffer. ``clone`` would not do: Inductor
     removes it as a no-op before bucketing."""
-    import torch
-
     if _cap_fn() is None:
         return 0
     count = 0
