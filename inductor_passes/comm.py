@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import operator
 import os
 from typing import Any, Callable
 
@@ -46,6 +47,8 @@ import torch.fx as fx
 
 from inductor_passes.core import compat
 from inductor_passes.core import inductor_fix  # noqa: F401  (installs the fix on import)
+# (imported here, not where the op is inserted: code loaded from Inductor's cache calls it)
+from inductor_passes.core.bucket_ops import GATHERED_COPY_OUT
 from inductor_passes.core.collectives import collective_op
 
 from . import outline
@@ -136,8 +139,118 @@ def bucket_pass(gm: fx.GraphModule) -> tuple[Callable[[fx.Graph], None], tuple] 
     def bucket(graph) -> None:
         compat.bucket_collectives(graph.owning_module, cap, _layer)
         drop_layout_copies_into_buckets(graph)
+        log.debug("dynamo_dist: %d gathered bucket(s) copied out eagerly",
+                  copy_gathers_out_eagerly(graph))
 
-    return bucket, ("layer-buckets-3", cap.args[0], _fingerprint(gm))
+    return bucket, ("layer-buckets-4", cap.args[0], _fingerprint(gm))
+
+
+def copy_gathers_out_eagerly(graph: fx.Graph) -> int:
+    """Make each all_gather bucket's copy-out one extern call (``bucket_ops.gathered_copy_out``,
+    as FSDP2 copies out eagerly) instead of a generated copy per parameter; returns how many
+    buckets were rewritten.
+
+    Inductor's merge leaves, per gathered parameter, ``split_with_sizes`` (a column slice of the
+    ``[group_size, N]`` output) -> ``view(dtype)`` -> ``clone`` (contiguous) -> views; for a
+    parameter gathered along tensor dim d > 0 (``redistribute.all_gather``) the views then
+    reshape the ranks' stacked pieces, ``permute`` and ``clone`` again to join them along d.
+    The op makes each piece contiguous, joined where it was, in one copy, and the clones go.
+    Only a bucket whose every piece is read through such a chain, each node of it used once, is
+    rewritten: a piece is then private to its chain, so dropping its clones cannot expose a
+    later in-place write. Buckets that convert dtypes are left to Inductor."""
+    rewritten = 0
+    for split in list(graph.find_nodes(op="call_function",
+                                       target=torch.ops.aten.split_with_sizes.default)):
+        src, sizes = split.args[0], list(split.args[1])
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        val = src.meta.get("val") if isinstance(src, fx.Node) else None
+        if not (_from_gather(src) and getattr(val, "ndim", None) == 2 and dim in (1, -1)
+                and all(type(n) is int for n in sizes)):  # (symbolic sizes: left alone)
+            continue
+        chains = [_copy_chain(g) for g in split.users]
+        fake = compat.detect_fake_mode([val])
+        if not chains or any(c is None for c in chains) or fake is None:
+            continue
+        chains.sort(key=lambda c: c[0].args[1])  # by piece index
+        if [c[0].args[1] for c in chains] != list(range(len(sizes))):
+            continue
+        shapes = [c[2] or [int(val.shape[0]), n] for c, n in zip(chains, sizes)]
+        perms = [c[3] or list(range(len(s))) for c, s in zip(chains, shapes)]
+        args = (src, sizes, [len(s) for s in shapes], [d for s in shapes for d in s],
+                [d for p in perms for d in p])
+        with graph.inserting_after(split):
+            out = graph.call_function(GATHERED_COPY_OUT, args)
+        with fake:
+            out.meta["val"] = GATHERED_COPY_OUT(val, *args[1:])
+        for index, (getitem, nodes, _, _) in enumerate(chains):
+            with graph.inserting_after(out):
+                piece = graph.call_function(getitem.target, (out, index))
+            piece.meta["val"] = out.meta["val"][index]
+            nodes[-1].replace_all_uses_with(piece)  # the last clone: the piece as it was used
+            for node in reversed(nodes):
+                graph.erase_node(node)
+        graph.erase_node(split)
+        rewritten += 1
+    return rewritten
+
+
+def _from_gather(node: Any) -> bool:
+    """Whether ``node`` is a view of the wait of an all_gather (a bucket's ``[group, N]``)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and \
+            node.target in _VIEWS:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "call_function" or \
+            not str(node.target).endswith("wait_tensor.default"):
+        return False
+    gather = node.args[0]  # (the merged gather is ``all_gather_into_tensor_out``)
+    return isinstance(gather, fx.Node) and gather.op == "call_function" and \
+        str(gather.target).startswith("_c10d_functional.all_gather_into_tensor")
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+          torch.ops.aten._unsafe_view.default)
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _contiguous_clone(node: fx.Node | None) -> bool:
+    """A ``clone`` whose result is contiguous (its traced value: a clone without a memory
+    format keeps a permuted input's strides)."""
+    val = node.meta.get("val") if node is not None else None
+    return node is not None and node.target is torch.ops.aten.clone.default and \
+        isinstance(val, torch.Tensor) and val.is_contiguous()
+
+
+def _copy_chain(getitem: fx.Node):
+    """For one piece of a gathered bucket: (getitem, the chain's nodes in order, the shape
+    before the permute or None, the permutation or []) when ``getitem`` is read only through
+    a same-dtype ``view(dtype)`` (optional) and a contiguous ``clone``, then optionally views,
+    a ``permute`` and a second contiguous ``clone``, each node used once; else None."""
+    if getitem.target is not operator.getitem:
+        return None
+    nodes, node = [getitem], _only_user(getitem)
+    if node is not None and node.target is torch.ops.aten.view.dtype:
+        if node.args[1] != getitem.meta["val"].dtype:
+            return None
+        nodes.append(node)
+        node = _only_user(node)
+    if not _contiguous_clone(node):
+        return None
+    nodes.append(node)
+    # a join along a tensor dim > 0: views, permute, clone
+    join, last = [], node
+    node = _only_user(node)
+    while node is not None and node.target in _VIEWS:
+        join.append(node)
+        last, node = node, _only_user(node)
+    shape = list(last.meta["val"].shape)
+    if node is not None and node.target is torch.ops.aten.permute.default and \
+            _contiguous_clone(_only_user(node)) and all(type(d) is int for d in shape):
+        return getitem, nodes + join + [node, _only_user(node)], shape, \
+            [int(d) % len(shape) for d in node.args[1]]
+    return getitem, nodes, None, []
 
 
 def drop_layout_copies_into_buckets(graph: fx.Graph) -> int:

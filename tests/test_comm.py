@@ -201,3 +201,135 @@ def test_a_bucket_copies_in_transposed_views_without_a_clone(op_name):
         before, after = (before[0][:72], before[1]), (after[0][:72], after[1])
     torch.testing.assert_close(after, before, rtol=0, atol=0)
     assert comm.drop_layout_copies_into_buckets(fx.symbolic_trace(lambda a: a + 1).graph) == 0
+
+
+def test_gathered_copy_out_op_makes_each_piece_contiguous_and_joined():
+    """The copy-out op against its definition: piece i of ``[group, N]``'s columns, read as
+    ``shapes[i]`` and permuted, contiguous. Both paths: all pieces plain (one
+    ``split_with_sizes_copy``), and one joined along dim 1 of a [3, 4] parameter."""
+    from inductor_passes.core.bucket_ops import GATHERED_COPY_OUT
+
+    torch.manual_seed(0)
+    gathered = torch.randn(2, 20)
+    plain = GATHERED_COPY_OUT(gathered, [6, 14], [2, 2], [2, 6, 2, 14], [0, 1, 0, 1])
+    assert [p.shape for p in plain] == [(2, 6), (2, 14)]
+    assert all(p.is_contiguous() for p in plain)
+    torch.testing.assert_close(plain[0], gathered[:, :6], rtol=0, atol=0)
+    torch.testing.assert_close(plain[1], gathered[:, 6:], rtol=0, atol=0)
+    joined = GATHERED_COPY_OUT(gathered, [6, 14], [2, 3], [2, 6, 2, 7, 2], [0, 1, 1, 0, 2])
+    assert joined[1].shape == (7, 2, 2) and joined[1].is_contiguous()
+    torch.testing.assert_close(joined[1], gathered[:, 6:].reshape(2, 7, 2).permute(1, 0, 2),
+                               rtol=0, atol=0)
+    assert joined[1].data_ptr() != gathered.data_ptr()  # a copy, never a view of the bucket
+
+
+def _gathered_bucket_graph(extra_reader: bool = False):
+    """The shape of an all_gather bucket after Inductor's merge, on a group of 2: shard ``a``
+    (2 x 3) of a [4, 3] parameter split on dim 0, and shard ``b`` (3 x 2) of a [3, 4]
+    parameter split on dim 1 (gathered as its stacked pieces, then joined along dim 1 by a
+    permute and a clone, as ``redistribute.all_gather`` lowers it). ``extra_reader``: ``a``'s
+    piece is also read by another op. Fake values on every node, as Inductor's graphs have."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    flat = g.call_function(aten.cat.default, ([g.call_function(aten.view.default, (a, [6])),
+                                               g.call_function(aten.view.default, (b, [6]))],))
+    wait = g.call_function(c10d.wait_tensor.default,
+                           (g.call_function(c10d.all_gather_into_tensor.default,
+                                            (flat, 2, "0")),))
+    split = g.call_function(aten.split_with_sizes.default,
+                            (g.call_function(aten.view.default, (wait, [2, -1])), [6, 6], 1))
+    outs = []
+    for k in range(2):
+        piece = g.call_function(aten.view.dtype,
+                                (g.call_function(operator_getitem(), (split, k)), torch.float32))
+        clone = g.call_function(aten.clone.default, (piece,),
+                                {"memory_format": torch.contiguous_format})
+        if k == 0:
+            outs.append(g.call_function(aten._unsafe_view.default, (clone, [4, 3])))
+            if extra_reader:
+                outs.append(g.call_function(aten.mul.Tensor, (piece.args[0], 2)))
+        else:
+            stacked = g.call_function(aten.view.default,
+                                      (g.call_function(aten._unsafe_view.default,
+                                                       (clone, [6, 2])), [2, 3, 2]))
+            joined = g.call_function(aten.clone.default, (
+                g.call_function(aten.permute.default, (stacked, [1, 0, 2])),),
+                {"memory_format": torch.contiguous_format})
+            outs.append(g.call_function(aten.view.default, (joined, [3, 4])))
+    g.output(tuple(outs))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    with FakeTensorMode() as mode:
+        FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.empty(2, 3)),
+                                           mode.from_tensor(torch.empty(3, 2)))
+    return gm
+
+
+def operator_getitem():  # (fx graphs call operator.getitem itself)
+    import operator
+
+    return operator.getitem
+
+
+def _run_gathering(gm, *args):
+    """``gm`` run with its all_gather answered as two ranks would be, rank 1 holding
+    10 x + 1 of rank 0's input x."""
+    import torch.fx as fx
+
+    class Gathering(fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if target is torch.ops._c10d_functional.all_gather_into_tensor.default:
+                return torch.cat([args[0], args[0] * 10 + 1])
+            if target is torch.ops._c10d_functional.wait_tensor.default:
+                return args[0]
+            return super().call_function(target, args, kwargs)
+
+    return Gathering(gm).run(*args)
+
+
+def test_a_gathered_bucket_is_copied_out_by_one_op_with_the_same_values():
+    """Each piece's clone (and a dim-1 piece's permute and second clone) becomes one extern
+    copy-out; the parameters come out equal to the whole tensors, bit for bit, before and after:
+    ``a``'s ranks joined along dim 0, ``b``'s along dim 1."""
+    from inductor_passes.core.bucket_ops import GATHERED_COPY_OUT
+
+    gm = _gathered_bucket_graph()
+    a, b = torch.randn(2, 3), torch.randn(3, 2)
+    before = _run_gathering(gm, a, b)
+    assert comm.copy_gathers_out_eagerly(gm.graph) == 1
+    gm.graph.lint()
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(GATHERED_COPY_OUT) == 1
+    assert torch.ops.aten.clone.default not in targets
+    assert torch.ops.aten.permute.default not in targets
+    after = _run_gathering(gm, a, b)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    torch.testing.assert_close(after[0], torch.cat([a, a * 10 + 1]), rtol=0, atol=0)
+    torch.testing.assert_close(after[1], torch.cat([b, b * 10 + 1], dim=1), rtol=0, atol=0)
+    copy_out = next(n for n in gm.graph.nodes if n.target is GATHERED_COPY_OUT)
+    assert [tuple(v.shape) for v in copy_out.meta["val"]] == [(2, 6), (3, 2, 2)]
+
+
+def test_a_gathered_bucket_whose_piece_is_read_elsewhere_is_left_alone():
+    """A piece read by another op besides its clone could be written through once the clone
+    is gone: the whole bucket keeps Inductor's copies."""
+    gm = _gathered_bucket_graph(extra_reader=True)
+    nodes = len(gm.graph.nodes)
+    assert comm.copy_gathers_out_eagerly(gm.graph) == 0
+    assert len(gm.graph.nodes) == nodes
+
+
+def test_fsdp_gathers_are_copied_out_eagerly_in_the_generated_code(fake_mesh, monkeypatch):
+    """End to end: the forward's one gather bucket is copied out by the extern op, and no
+    generated kernel copies a gathered parameter."""
+    monkeypatch.delenv("DYNAMO_DIST_BUCKET_MB", raising=False)
+    _, fw, _ = _compile_fsdp_step(fake_mesh)  # (the backward reuses the forward's gathers)
+    assert fw.count("torch.ops.dynamo_dist.gathered_copy_out.default(") == 1
+    gathered = re.search(r"all_gather_into_tensor_out\.default\(.*out=(buf\d+)\)", fw).group(1)
+    kernels = [ln for ln in fw.splitlines() if re.match(r"\s*cpp_fused_\w+\(", ln)]
+    assert kernels and not any(re.search(rf"\b{gathered}\b", ln) for ln in kernels)
