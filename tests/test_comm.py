@@ -221,6 +221,10 @@ def test_gathered_copy_out_op_makes_each_piece_contiguous_and_joined():
     torch.testing.assert_close(joined[1], gathered[:, 6:].reshape(2, 7, 2).permute(1, 0, 2),
                                rtol=0, atol=0)
     assert joined[1].data_ptr() != gathered.data_ptr()  # a copy, never a view of the bucket
+    one = torch.randn(1, 6)  # a group of one: each piece is contiguous already, still copied
+    alone = GATHERED_COPY_OUT(one, [2, 4], [2, 2], [1, 2, 1, 4], [0, 1, 1, 0])
+    assert alone[0].untyped_storage().data_ptr() != one.untyped_storage().data_ptr()
+    torch.testing.assert_close(alone[1], one[:, 2:].t(), rtol=0, atol=0)
 
 
 def _gathered_bucket_graph(extra_reader: bool = False):

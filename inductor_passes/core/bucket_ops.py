@@ -42,7 +42,10 @@ def gathered_copy_out(gathered: torch.Tensor, split_sizes: list[int], ndims: lis
         return out
     out, offset = [], 0
     for size, shape, perm in zip(split_sizes, shapes_, perms_):
-        out.append(gathered.narrow(1, offset, size).reshape(shape).permute(perm).contiguous())
+        piece = gathered.narrow(1, offset, size).reshape(shape).permute(perm)
+        # (clone, not contiguous(): a piece already contiguous, on a group of one, would be
+        # returned as a view of the input, which a custom op must not)
+        out.append(piece.clone(memory_format=torch.contiguous_format))
         offset += size
     return out
 
