@@ -2,11 +2,14 @@
 group: the generated code is read, not its values; values are checked on 2 gloo ranks in
 test_multiprocess.py)."""
 
+import operator
 import re
 
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import Stack
 from dynamo_dist import compile_records
@@ -250,7 +253,7 @@ def _gathered_bucket_graph(extra_reader: bool = False):
     outs = []
     for k in range(2):
         piece = g.call_function(aten.view.dtype,
-                                (g.call_function(operator_getitem(), (split, k)), torch.float32))
+                                (g.call_function(operator.getitem, (split, k)), torch.float32))
         clone = g.call_function(aten.clone.default, (piece,),
                                 {"memory_format": torch.contiguous_format})
         if k == 0:
@@ -271,12 +274,6 @@ def _gathered_bucket_graph(extra_reader: bool = False):
         FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.empty(2, 3)),
                                            mode.from_tensor(torch.empty(3, 2)))
     return gm
-
-
-def operator_getitem():  # (fx graphs call operator.getitem itself)
-    import operator
-
-    return operator.getitem
 
 
 def _run_gathering(gm, *args):
@@ -337,3 +334,81 @@ def test_fsdp_gathers_are_copied_out_eagerly_in_the_generated_code(fake_mesh, mo
     gathered = re.search(r"all_gather_into_tensor_out\.default\(.*out=(buf\d+)\)", fw).group(1)
     kernels = [ln for ln in fw.splitlines() if re.match(r"\s*cpp_fused_\w+\(", ln)]
     assert kernels and not any(re.search(rf"\b{gathered}\b", ln) for ln in kernels)
+
+
+def _random_bucket_graph(group: int, pieces: list[tuple[int, int, bool]]):
+    """An all_gather bucket as Inductor's merge leaves it, on a group of ``group``: per piece
+    (rows, cols, joined) a shard [rows, cols] of a parameter split on dim 0 (whole:
+    [group * rows, cols]) or, joined, on dim 1 (whole: [rows, group * cols], its ranks' stacked
+    pieces joined by views, a permute and a clone)."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    g = fx.Graph()
+    shards = [g.placeholder(f"s{i}") for i in range(len(pieces))]
+    flat = g.call_function(aten.cat.default, ([g.call_function(aten.view.default, (s, [r * c]))
+                                               for s, (r, c, _) in zip(shards, pieces)],))
+    wait = g.call_function(c10d.wait_tensor.default, (
+        g.call_function(c10d.all_gather_into_tensor.default, (flat, group, "0")),))
+    split = g.call_function(aten.split_with_sizes.default, (
+        g.call_function(aten.view.default, (wait, [group, -1])), [r * c for r, c, _ in pieces], 1))
+    outs = []
+    for i, (r, c, joined) in enumerate(pieces):
+        piece = g.call_function(aten.view.dtype, (g.call_function(operator.getitem, (split, i)),
+                                                  torch.float32))
+        whole = g.call_function(aten._unsafe_view.default, (
+            g.call_function(aten.clone.default, (piece,),
+                            {"memory_format": torch.contiguous_format}), [group * r, c]))
+        if joined:
+            stacked = g.call_function(aten.view.default, (whole, [group, r, c]))
+            whole = g.call_function(aten.view.default, (
+                g.call_function(aten.clone.default, (
+                    g.call_function(aten.permute.default, (stacked, [1, 0, 2])),),
+                    {"memory_format": torch.contiguous_format}), [r, group * c]))
+        outs.append(whole)
+    g.output(tuple(outs))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    with FakeTensorMode() as mode:
+        FakeTensorProp(gm, mode).propagate(*(mode.from_tensor(torch.empty(r, c))
+                                             for r, c, _ in pieces))
+    return gm
+
+
+def _run_group(gm, group: int, *args):
+    """``gm`` run with its all_gather answered as ``group`` ranks would be, rank k holding
+    its input plus k."""
+    import torch.fx as fx
+
+    class Gathering(fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if target is torch.ops._c10d_functional.all_gather_into_tensor.default:
+                return torch.cat([args[0] + k for k in range(group)])
+            if target is torch.ops._c10d_functional.wait_tensor.default:
+                return args[0]
+            return super().call_function(target, args, kwargs)
+
+    return Gathering(gm).run(*args)
+
+
+@given(group=st.integers(2, 4),
+       pieces=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 4), st.booleans()),
+                       min_size=1, max_size=4))
+@settings(max_examples=25, deadline=None)
+def test_any_gathered_bucket_copied_out_gives_the_whole_parameters(group, pieces):
+    """Property: whatever the group, the pieces' shapes and which are joined along dim 1, the
+    rewritten bucket gives every parameter whole, bit for bit: rank k's shard at its place
+    along dim 0, or along dim 1 for a joined one; and no clone is left."""
+    gm = _random_bucket_graph(group, pieces)
+    shards = [torch.randn(r, c) for r, c, _ in pieces]
+    before = _run_group(gm, group, *shards)
+    assert comm.copy_gathers_out_eagerly(gm.graph) == 1
+    gm.graph.lint()
+    gm.recompile()
+    after = _run_group(gm, group, *shards)
+    for (r, c, joined), s, b, a in zip(pieces, shards, before, after):
+        whole = torch.cat([s + k for k in range(group)], dim=1 if joined else 0)
+        torch.testing.assert_close(a, whole, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.ops.aten.clone.default not in [n.target for n in gm.graph.nodes]
