@@ -139,8 +139,8 @@ def bucket_pass(gm: fx.GraphModule) -> tuple[Callable[[fx.Graph], None], tuple] 
     def bucket(graph) -> None:
         compat.bucket_collectives(graph.owning_module, cap, _layer)
         drop_layout_copies_into_buckets(graph)
-        log.debug("dynamo_dist: %d gathered bucket(s) copied out eagerly",
-                  copy_gathers_out_eagerly(graph))
+        copied = copy_gathers_out_eagerly(graph)
+        log.debug("dynamo_dist: %d gathered bucket(s) copied out eagerly", copied)
 
     return bucket, ("layer-buckets-4", cap.args[0], _fingerprint(gm))
 

@@ -230,77 +230,15 @@ def test_gathered_copy_out_op_makes_each_piece_contiguous_and_joined():
     torch.testing.assert_close(alone[1], one[:, 2:].t(), rtol=0, atol=0)
 
 
-def _gathered_bucket_graph(extra_reader: bool = False):
-    """The shape of an all_gather bucket after Inductor's merge, on a group of 2: shard ``a``
-    (2 x 3) of a [4, 3] parameter split on dim 0, and shard ``b`` (3 x 2) of a [3, 4]
-    parameter split on dim 1 (gathered as its stacked pieces, then joined along dim 1 by a
-    permute and a clone, as ``redistribute.all_gather`` lowers it). ``extra_reader``: ``a``'s
-    piece is also read by another op. Fake values on every node, as Inductor's graphs have."""
-    import torch.fx as fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
-    g = fx.Graph()
-    a, b = g.placeholder("a"), g.placeholder("b")
-    flat = g.call_function(aten.cat.default, ([g.call_function(aten.view.default, (a, [6])),
-                                               g.call_function(aten.view.default, (b, [6]))],))
-    wait = g.call_function(c10d.wait_tensor.default,
-                           (g.call_function(c10d.all_gather_into_tensor.default,
-                                            (flat, 2, "0")),))
-    split = g.call_function(aten.split_with_sizes.default,
-                            (g.call_function(aten.view.default, (wait, [2, -1])), [6, 6], 1))
-    outs = []
-    for k in range(2):
-        piece = g.call_function(aten.view.dtype,
-                                (g.call_function(operator.getitem, (split, k)), torch.float32))
-        clone = g.call_function(aten.clone.default, (piece,),
-                                {"memory_format": torch.contiguous_format})
-        if k == 0:
-            outs.append(g.call_function(aten._unsafe_view.default, (clone, [4, 3])))
-            if extra_reader:
-                outs.append(g.call_function(aten.mul.Tensor, (piece.args[0], 2)))
-        else:
-            stacked = g.call_function(aten.view.default,
-                                      (g.call_function(aten._unsafe_view.default,
-                                                       (clone, [6, 2])), [2, 3, 2]))
-            joined = g.call_function(aten.clone.default, (
-                g.call_function(aten.permute.default, (stacked, [1, 0, 2])),),
-                {"memory_format": torch.contiguous_format})
-            outs.append(g.call_function(aten.view.default, (joined, [3, 4])))
-    g.output(tuple(outs))
-    gm = fx.GraphModule(torch.nn.Module(), g)
-    with FakeTensorMode() as mode:
-        FakeTensorProp(gm, mode).propagate(mode.from_tensor(torch.empty(2, 3)),
-                                           mode.from_tensor(torch.empty(3, 2)))
-    return gm
-
-
-def _run_gathering(gm, *args):
-    """``gm`` run with its all_gather answered as two ranks would be, rank 1 holding
-    10 x + 1 of rank 0's input x."""
-    import torch.fx as fx
-
-    class Gathering(fx.Interpreter):
-        def call_function(self, target, args, kwargs):
-            if target is torch.ops._c10d_functional.all_gather_into_tensor.default:
-                return torch.cat([args[0], args[0] * 10 + 1])
-            if target is torch.ops._c10d_functional.wait_tensor.default:
-                return args[0]
-            return super().call_function(target, args, kwargs)
-
-    return Gathering(gm).run(*args)
-
-
 def test_a_gathered_bucket_is_copied_out_by_one_op_with_the_same_values():
     """Each piece's clone (and a dim-1 piece's permute and second clone) becomes one extern
     copy-out; the parameters come out equal to the whole tensors, bit for bit, before and after:
     ``a``'s ranks joined along dim 0, ``b``'s along dim 1."""
     from inductor_passes.core.bucket_ops import GATHERED_COPY_OUT
 
-    gm = _gathered_bucket_graph()
+    gm = _bucket_graph_of(2, [(2, 3, False), (3, 2, True)])
     a, b = torch.randn(2, 3), torch.randn(3, 2)
-    before = _run_gathering(gm, a, b)
+    before = _run_gathering(gm, 2, a, b)
     assert comm.copy_gathers_out_eagerly(gm.graph) == 1
     gm.graph.lint()
     gm.recompile()
@@ -308,10 +246,10 @@ def test_a_gathered_bucket_is_copied_out_by_one_op_with_the_same_values():
     assert targets.count(GATHERED_COPY_OUT) == 1
     assert torch.ops.aten.clone.default not in targets
     assert torch.ops.aten.permute.default not in targets
-    after = _run_gathering(gm, a, b)
+    after = _run_gathering(gm, 2, a, b)
     torch.testing.assert_close(after, before, rtol=0, atol=0)
-    torch.testing.assert_close(after[0], torch.cat([a, a * 10 + 1]), rtol=0, atol=0)
-    torch.testing.assert_close(after[1], torch.cat([b, b * 10 + 1], dim=1), rtol=0, atol=0)
+    torch.testing.assert_close(after[0], torch.cat([a, a + 1]), rtol=0, atol=0)
+    torch.testing.assert_close(after[1], torch.cat([b, b + 1], dim=1), rtol=0, atol=0)
     copy_out = next(n for n in gm.graph.nodes if n.target is GATHERED_COPY_OUT)
     assert [tuple(v.shape) for v in copy_out.meta["val"]] == [(2, 6), (3, 2, 2)]
 
@@ -319,7 +257,7 @@ def test_a_gathered_bucket_is_copied_out_by_one_op_with_the_same_values():
 def test_a_gathered_bucket_whose_piece_is_read_elsewhere_is_left_alone():
     """A piece read by another op besides its clone could be written through once the clone
     is gone: the whole bucket keeps Inductor's copies."""
-    gm = _gathered_bucket_graph(extra_reader=True)
+    gm = _bucket_graph_of(2, [(2, 3, False), (3, 2, True)], extra_reader=True)
     nodes = len(gm.graph.nodes)
     assert comm.copy_gathers_out_eagerly(gm.graph) == 0
     assert len(gm.graph.nodes) == nodes
@@ -336,11 +274,14 @@ def test_fsdp_gathers_are_copied_out_eagerly_in_the_generated_code(fake_mesh, mo
     assert kernels and not any(re.search(rf"\b{gathered}\b", ln) for ln in kernels)
 
 
-def _random_bucket_graph(group: int, pieces: list[tuple[int, int, bool]]):
+def _bucket_graph_of(group: int, pieces: list[tuple[int, int, bool]],
+                     extra_reader: bool = False):
     """An all_gather bucket as Inductor's merge leaves it, on a group of ``group``: per piece
     (rows, cols, joined) a shard [rows, cols] of a parameter split on dim 0 (whole:
     [group * rows, cols]) or, joined, on dim 1 (whole: [rows, group * cols], its ranks' stacked
-    pieces joined by views, a permute and a clone)."""
+    pieces joined by views, a permute and a clone, as ``redistribute.all_gather`` lowers it).
+    ``extra_reader``: the first piece is also read by another op. Fake values on every node,
+    as Inductor's graphs have."""
     import torch.fx as fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -358,6 +299,8 @@ def _random_bucket_graph(group: int, pieces: list[tuple[int, int, bool]]):
     for i, (r, c, joined) in enumerate(pieces):
         piece = g.call_function(aten.view.dtype, (g.call_function(operator.getitem, (split, i)),
                                                   torch.float32))
+        if extra_reader and i == 0:
+            outs.append(g.call_function(aten.mul.Tensor, (piece.args[0], 2)))
         whole = g.call_function(aten._unsafe_view.default, (
             g.call_function(aten.clone.default, (piece,),
                             {"memory_format": torch.contiguous_format}), [group * r, c]))
@@ -376,7 +319,7 @@ def _random_bucket_graph(group: int, pieces: list[tuple[int, int, bool]]):
     return gm
 
 
-def _run_group(gm, group: int, *args):
+def _run_gathering(gm, group: int, *args):
     """``gm`` run with its all_gather answered as ``group`` ranks would be, rank k holding
     its input plus k."""
     import torch.fx as fx
@@ -400,13 +343,13 @@ def test_any_gathered_bucket_copied_out_gives_the_whole_parameters(group, pieces
     """Property: whatever the group, the pieces' shapes and which are joined along dim 1, the
     rewritten bucket gives every parameter whole, bit for bit: rank k's shard at its place
     along dim 0, or along dim 1 for a joined one; and no clone is left."""
-    gm = _random_bucket_graph(group, pieces)
+    gm = _bucket_graph_of(group, pieces)
     shards = [torch.randn(r, c) for r, c, _ in pieces]
-    before = _run_group(gm, group, *shards)
+    before = _run_gathering(gm, group, *shards)
     assert comm.copy_gathers_out_eagerly(gm.graph) == 1
     gm.graph.lint()
     gm.recompile()
-    after = _run_group(gm, group, *shards)
+    after = _run_gathering(gm, group, *shards)
     for (r, c, joined), s, b, a in zip(pieces, shards, before, after):
         whole = torch.cat([s + k for k in range(group)], dim=1 if joined else 0)
         torch.testing.assert_close(a, whole, rtol=0, atol=0)
