@@ -35,7 +35,7 @@ from inductor_passes.sharding.config import PlannerConfig
 from inductor_passes.sharding.propagate import PARAMETER_VIEWS, Plan, propagate
 from inductor_passes.sharding.rules import RuleKind
 
-from . import agreement, compiled_autograd, gc_pause, patches, plan_cache
+from . import agreement, compiled_autograd, gc_pause, patches, plan_cache, regions
 from . import symbolic as symbolic_shapes
 from .agreement import plan_once
 from .annotations import checked_placements
@@ -285,7 +285,9 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: P
     clock = _StageClock()
     clock.start()
     dynamo_gm, dynamo_inputs = gm, example_inputs
-    # a nested_compile_region's body is planned as the code it is (issue 17 keeps it whole)
+    # a nested_compile_region's body is planned as the code it is (issue 17 keeps it whole),
+    # once Dynamo is known to have handed each call its own layer's tensors
+    regions.check_region_operands(gm)
     gm = compat.inline_nested_compile_regions(gm)
     # an optimizer's DTensor parameters and state reach us as graph attributes: inputs from here
     gm, attributes = lift_tensor_attributes(gm)

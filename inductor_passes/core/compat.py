@@ -576,6 +576,45 @@ def dynamo_frame_file() -> str | None:
     return getattr(code, "co_filename", None)
 
 
+def dynamo_frame_locals() -> dict | None:
+    """The locals of the frame Dynamo is compiling (the backend runs inside its trace), or None
+    outside one: the roots Dynamo's sources and module paths start from (``L['self']``)
+    (2.13)."""
+    from torch._dynamo import symbolic_convert
+
+    tx = getattr(symbolic_convert.tls, "current_tx", None)
+    found = getattr(tx, "f_locals", None)
+    return found if isinstance(found, dict) else None
+
+
+def graph_input_value(node: "torch.fx.Node") -> Any:
+    """The real value a placeholder of a Dynamo graph was read from (a parameter is the
+    ``nn.Parameter`` itself), or None where Dynamo recorded none (``meta["grapharg"]``,
+    2.13)."""
+    arg = node.meta.get("grapharg")
+    try:
+        return None if arg is None else arg.example
+    except Exception:  # noqa: BLE001 (a dead weak reference, an argument with no example)
+        return None
+
+
+def module_at_path(path: str, frame_locals: dict) -> Any:
+    """The module an ``nn_module_stack`` entry's path names (``L['self'].model.layers.2``: a
+    local of the compiled frame, then attribute names), or None where it does not resolve
+    (2.13's spelling)."""
+    import re
+
+    found = re.fullmatch(r"L\[(['\"])(.+?)\1\]((?:\.[^.]+)*)", path)
+    if found is None or found.group(2) not in frame_locals:
+        return None
+    obj = frame_locals[found.group(2)]
+    for name in filter(None, found.group(3).split(".")):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
 def data_dependent(op, args, kwargs) -> bool:
     """Whether ``op`` on these arguments has an output shape (or a Python value) that depends on
     tensor DATA, which a plan made at compile time cannot know.
