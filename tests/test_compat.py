@@ -565,3 +565,27 @@ def test_requires_grad_set_on_a_fresh_tensor_stays_in_the_graph_for_dist_only(fa
     out = torch.compile(model, backend="dist", options={"inductor": False})(x)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert len(compile_records()) == before + 1 and out.requires_grad
+
+
+def test_a_backend_reads_the_frames_locals_graph_input_values_and_module_paths():
+    """Inside Dynamo's call of a backend: the compiled frame's locals, the real parameter
+    behind a placeholder, and the module an ``nn_module_stack`` path names (2.13)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    seen = {}
+
+    def backend(gm, example_inputs):
+        frame = compat.dynamo_frame_locals()
+        seen["values"] = [compat.graph_input_value(n) for n in gm.graph.find_nodes(op="placeholder")]
+        paths = [list(n.meta["nn_module_stack"].values())[-1][0] for n in gm.graph.nodes
+                 if n.op == "call_function" and n.meta.get("nn_module_stack")]
+        seen["modules"] = [compat.module_at_path(p, frame) for p in paths]
+        seen["missing"] = compat.module_at_path("L['nowhere'].x", frame)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(torch.randn(2, 4))
+    assert compat.dynamo_frame_locals() is None  # outside a trace
+    params = list(model.parameters())
+    assert all(any(v is p for v in seen["values"]) for p in params)
+    assert {id(m) for m in seen["modules"]} == {id(model[0]), id(model[1][0])}
+    assert seen["missing"] is None
