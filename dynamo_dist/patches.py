@@ -28,7 +28,7 @@ from inductor_passes.core.compat import (STATIC_FIX, DTensorSpec, OpSchema, Outp
 from inductor_passes.core.errors import DistCompileError
 from inductor_passes.layout import contiguous_strides
 
-from . import gc_pause
+from . import gc_pause, regions
 from .mesh import Mesh
 
 
@@ -47,6 +47,7 @@ def install() -> None:
         install_metadata_attr_folding()
     install_backend_ctx_with_options()
     install_frame_compile_gc_pause()
+    regions.install_layer_regions()
     install_whole_step()
     install_symbolic_plain_tensor_wrapping()
     install_dynamo_tracing_fallback()

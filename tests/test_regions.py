@@ -122,3 +122,119 @@ def test_a_region_marked_on_the_class_trains_each_layer_with_its_own_tensors(mes
     torch.testing.assert_close(loss.full_tensor(), expected)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
+# -- repeated layers traced once (``install_layer_regions``) --------------------------------
+
+class _PlainBlock(_Block):
+    def forward(self, x, scale):  # a function of its own: no other test marks it
+        return torch.relu(self.lin(x)) * scale
+
+
+class _NormBlock(_Block):
+    """Updates buffers (BatchNorm's running statistics, in training) inside the region."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(D)
+
+    def forward(self, x, scale):
+        return torch.relu(self.norm(self.lin(x))) * scale
+
+
+class _BreakingBlock(_Block):
+    """Asks for a graph break: ``invoke_subgraph`` takes none, so the frame is traced again
+    with every layer inline (and broken there)."""
+
+    def forward(self, x, scale):
+        y = torch.relu(self.lin(x))
+        torch._dynamo.graph_break()
+        return y * scale
+
+
+def _inlined(records) -> int:
+    """How many region calls the backend inlined (its log line), over ``records``."""
+    import re
+
+    found = [re.search(r"(\d+) nested_compile_region call", r.getMessage()) for r in records]
+    return sum(int(m.group(1)) for m in found if m)
+
+
+def _trains_like_one_device(mesh, block, caplog, steps=2):
+    import logging
+
+    ref, model = _models(block, mesh=mesh)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="dist", options={"inductor": False})
+    with caplog.at_level(logging.INFO, logger="dynamo_dist"):
+        for step in range(steps):
+            x = torch.randn(4, D)
+            loss = compiled(x)
+            loss.backward()
+            expected = ref(x)
+            expected.backward()
+            torch.testing.assert_close(loss.full_tensor(), expected, msg=f"step {step}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+    for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+        torch.testing.assert_close(b.full_tensor() if hasattr(b, "full_tensor") else b, c,
+                                   msg=name)
+    return ref, model
+
+
+@pytest.mark.parametrize("block", [_PlainBlock, _NormBlock], ids=["linear", "batchnorm"])
+def test_repeated_layers_are_traced_once_and_train_as_inline(mesh_of_one, caplog, block):
+    """Loss, gradients and (BatchNorm) running statistics of two steps are one device's."""
+    _trains_like_one_device(mesh_of_one(("tp",)), block, caplog)
+    assert _inlined(caplog.records) >= 3  # Dynamo made the layers region calls
+    assert not any("failed" in r.getMessage() for r in caplog.records)
+    assert not hasattr(block.forward, "__marked_compile_region_max_reuse_entries__")
+
+
+def test_layer_regions_off(mesh_of_one, caplog, monkeypatch):
+    monkeypatch.setenv("DYNAMO_DIST_LAYER_REGIONS", "0")
+    _trains_like_one_device(mesh_of_one(("tp",)), _PlainBlock, caplog)
+    assert _inlined(caplog.records) == 0
+    monkeypatch.setenv("DYNAMO_DIST_LAYER_REGIONS", "yes")
+    from dynamo_dist import regions
+
+    with pytest.raises(ValueError, match="DYNAMO_DIST_LAYER_REGIONS='yes'.*fix"):
+        regions.enabled()
+
+
+def test_a_layer_with_a_graph_break_is_traced_inline_after_a_warning(mesh_of_one, caplog):
+    _trains_like_one_device(mesh_of_one(("tp",)), _BreakingBlock, caplog)
+    warned = [r.getMessage() for r in caplog.records if "tracing every layer inline" in
+              r.getMessage()]
+    assert warned and "graph break" in warned[0].lower(), warned
+    assert _inlined(caplog.records) == 0
+
+
+def test_a_layer_with_a_hook_is_called_with_its_hook(mesh_of_one, caplog):
+    """A region would skip a module's hooks: a hooked layer is called as usual, running its
+    hook; the others are still regions."""
+    ref, model = _models(_PlainBlock, mesh=mesh_of_one(("tp",)))
+    model.layers[2].register_forward_hook(lambda mod, args, out: out * 2)
+    ref.layers[2].register_forward_hook(lambda mod, args, out: out * 2)
+    torch._dynamo.reset()
+    import logging
+
+    x = torch.randn(4, D)
+    with caplog.at_level(logging.INFO, logger="dynamo_dist"):
+        loss = torch.compile(model, backend="dist", options={"inductor": False})(x)
+    torch.testing.assert_close(loss.full_tensor(), ref(x))
+    assert _inlined(caplog.records) >= 2
+
+
+def test_other_backends_trace_layers_inline():
+    ref, model = _models(_PlainBlock)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(torch.randn(4, D))
+    hop = torch.ops.higher_order.invoke_subgraph
+    assert not seen[0].graph.find_nodes(op="call_function", target=hop)
