@@ -114,13 +114,20 @@ def enabled() -> bool:
         getattr(torch.ops.higher_order, "invoke_subgraph", None) is not None
 
 
+# layer classes whose region torch refused in this process (a layer returning its input,
+# inputs that alias each other): called inline from then on, by later frame compiles too
+_REFUSED: set[type] = set()
+
+
 class _Regions:
     """One frame compile's layer regions: which modules are layers (found at the first module
-    call, from the frame's locals) and whether any call was made a region."""
+    call, from the frame's locals), whether any call was made a region, and the class of the
+    last region call that raised."""
 
     def __init__(self) -> None:
         self.layers: set[int] | None = None
         self.used = False
+        self.raised: type | None = None
 
     def is_layer(self, module: torch.nn.Module) -> bool:
         if self.layers is None:
@@ -198,7 +205,8 @@ def install_layer_regions() -> bool:
         frame, module = _FRAME.get(), self.value
         if frame is None or self.source is None or \
                 tx.output.current_tracer.parent is not None or \
-                not frame.is_layer(module) or not _plain_call(module):
+                type(module) in _REFUSED or not frame.is_layer(module) or \
+                not _plain_call(module):
             return original(self, tx, args, kwargs)
         frame.used = True
         # what Dynamo's own module call installs and records (``call_function`` above)
@@ -206,8 +214,12 @@ def install_layer_regions() -> bool:
         with nn_module.record_nn_module_stack(str(id(module)), self.get_nn_module_stack_source(),
                                               tx, module):
             forward = UserFunctionVariable(_region_forward(type(module).forward))
-            return build_invoke_subgraph_variable().call_function(
-                tx, [forward, self, *args], kwargs)
+            try:
+                return build_invoke_subgraph_variable().call_function(
+                    tx, [forward, self, *args], kwargs)
+            except Exception:
+                frame.raised = type(module)
+                raise
 
     call_function._dynamo_dist_patch = True
     cls.call_function = call_function
@@ -227,9 +239,13 @@ def _with_layer_regions(original, compiler_fn, args, kwargs):
         inner = getattr(exc, "inner_exception", None)  # the backend's own error: not a region's
         if not frame.used or (inner is not None and not isinstance(inner, _OperandMismatch)):
             raise
-        log.warning("dynamo_dist: tracing repeated layers once failed (%s: %s); tracing every "
-                    "layer inline (DYNAMO_DIST_LAYER_REGIONS=0 skips the attempt)",
-                    type(exc).__name__, (str(exc).splitlines() or [""])[0][:300])
+        if frame.raised is not None:
+            _REFUSED.add(frame.raised)
+        log.warning("dynamo_dist: tracing repeated layers once failed (%s%s: %s); tracing every "
+                    "layer inline%s (DYNAMO_DIST_LAYER_REGIONS=0 skips the attempt)",
+                    f"{frame.raised.__name__}, " if frame.raised else "", type(exc).__name__,
+                    " ".join([ln for ln in str(exc).splitlines() if ln.strip()][:2])[:300],
+                    f", and {frame.raised.__name__} from now on" if frame.raised else "")
         _FRAME.set(None)
         return original(*args, **kwargs)
     finally:
