@@ -11,10 +11,13 @@ backend inlines every call before capture (``compat.inline_nested_compile_region
 program planned and compiled is the one Dynamo would have traced inline. The user's classes
 and modules are not touched, and other backends trace as before. A module with hooks or a
 patched ``forward`` is called as usual (a region would skip its hooks), and so is one inside
-another higher-order op's body. When the frame fails to trace with regions (a layer that
-mutates a buffer, a graph break inside a layer: torch's ``invoke_subgraph`` takes neither),
-it is traced again with every layer inline, and a warning says why. vLLM's
-``use_nested_compile_regions`` marks decoder layers alike, on the class and opt-in.
+another higher-order op's body. Modules are found from the compiled frame's locals (a model
+reached only through a global is traced inline). When the frame fails to trace with regions
+(a graph break inside a layer, a layer returning one of its inputs, inputs that are views of
+one tensor: torch's ``invoke_subgraph`` takes none of these), it is traced again with every
+layer inline, a warning says why, and that layer class is called inline for the rest of the
+process. vLLM's ``use_nested_compile_regions`` marks decoder layers alike, on the class and
+opt-in.
 
 **Each call handed its own tensors** (``check_region_operands``). Dynamo stamps out later
 calls with the tensors each call reads. On torch 2.13, a region marked on each layer
