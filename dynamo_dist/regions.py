@@ -2,8 +2,9 @@
 distinct layer once, and each call is checked to be handed its own layer's tensors.
 
 **Layers made regions** (``install_layer_regions``; ``DYNAMO_DIST_LAYER_REGIONS=0`` turns it
-off). While Dynamo traces a frame for ``dist``, a call of a module that has a sibling of its
-class in an ``nn.ModuleList`` or ``nn.Sequential`` (a decoder layer) is traced as an
+off). While Dynamo traces a frame for ``dist``, a call of a block (a module holding modules)
+that has a sibling of its class in an ``nn.ModuleList`` or ``nn.Sequential`` (a decoder
+layer) is traced as an
 ``invoke_subgraph`` call, as if the class's ``forward`` were marked: Dynamo traces the first
 layer and stamps out the others (its subgraph reuse), instead of inlining every layer's
 Python again (at 32 layers of the demo Llama, Dynamo's part went from 8.5 to 5.0 s). The
@@ -140,7 +141,9 @@ class _Regions:
 
 def _repeated_children(frame_locals: dict) -> set[int]:
     """ids of the modules reachable from the frame's locals that sit in an ``nn.ModuleList`` or
-    ``nn.Sequential`` beside another module of their class."""
+    ``nn.Sequential`` beside another module of their class and hold modules of their own (a
+    block; a lone ``nn.Linear`` or activation is one op, cheaper for Dynamo inline than as a
+    region)."""
     found: set[int] = set()
     roots = [v for v in frame_locals.values() if isinstance(v, torch.nn.Module)]
     for container in {id(m): m for r in roots for m in r.modules()}.values():
@@ -149,7 +152,8 @@ def _repeated_children(frame_locals: dict) -> set[int]:
             counts: dict[type, int] = {}
             for kid in kids:
                 counts[type(kid)] = counts.get(type(kid), 0) + 1
-            found.update(id(k) for k in kids if counts[type(k)] > 1)
+            found.update(id(k) for k in kids
+                         if counts[type(k)] > 1 and next(k.children(), None) is not None)
     return found
 
 

@@ -244,3 +244,21 @@ def test_other_backends_trace_layers_inline():
     torch.compile(model, backend=backend)(torch.randn(4, D))
     hop = torch.ops.higher_order.invoke_subgraph
     assert not seen[0].graph.find_nodes(op="call_function", target=hop)
+
+
+def test_repeated_leaf_modules_are_traced_inline(mesh_of_one, caplog):
+    """Only blocks (modules holding modules) become regions: a Sequential of Linear and ReLU
+    pairs is traced inline, and trains as one device does."""
+    import logging
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*(m for _ in range(3) for m in (torch.nn.Linear(D, D),
+                                                               torch.nn.ReLU())))
+    model = copy.deepcopy(ref)
+    distribute_module(model, mesh_of_one(("tp",)))
+    torch._dynamo.reset()
+    x = torch.randn(4, D)
+    with caplog.at_level(logging.INFO, logger="dynamo_dist"):
+        out = torch.compile(model, backend="dist", options={"inductor": False})(x)
+    torch.testing.assert_close(out.full_tensor(), ref(x))
+    assert _inlined(caplog.records) == 0
