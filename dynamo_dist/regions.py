@@ -62,21 +62,22 @@ def check_region_operands(gm: fx.GraphModule) -> None:
     frame = compat.dynamo_frame_locals() if len(calls) > 1 else None
     if frame is None:
         return
-    sites: dict[object, list[tuple[fx.Node, str, torch.nn.Module]]] = {}
+    # per body: (call, its module's path, the module, the module's tensors by name)
+    sites: dict[object, list[tuple[fx.Node, str, torch.nn.Module, dict]]] = {}
     for call in calls:
         stack = call.meta.get("nn_module_stack") or {}
         path = list(stack.values())[-1][0] if stack else None
         module = compat.module_at_path(path, frame) if path else None
         if isinstance(module, torch.nn.Module):
-            sites.setdefault(call.args[0].target, []).append((call, path, module))
+            sites.setdefault(call.args[0].target, []).append(
+                (call, path, module, dict(_tensors(module))))
     for body_sites in sites.values():
         # every tensor of the body's call sites, by identity: (module path, name in it)
         held: dict[int, tuple[str, str]] = {}
-        for _, path, module in body_sites:
-            for name, t in _tensors(module):
+        for _, path, _, own in body_sites:
+            for name, t in own.items():
                 held.setdefault(id(t), (path, name))
-        for call, path, module in body_sites:
-            own = dict(_tensors(module))
+        for call, path, module, own in body_sites:
             for operand in call.args[2:]:
                 if not isinstance(operand, fx.Node) or operand.op != "placeholder":
                     continue

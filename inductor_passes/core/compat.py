@@ -516,12 +516,16 @@ def dist_tracing() -> bool:
     return _are_we_tracing() and dist_backend_is_tracing()
 
 
-def dist_backend_is_tracing() -> bool:
-    """True while Dynamo traces a frame for the ``dist`` backend (not for any other backend)."""
+def _current_tx():
+    """Dynamo's translator of the frame it is compiling, or None outside a trace (2.11, 2.13)."""
     from torch._dynamo import symbolic_convert
 
-    tx = getattr(symbolic_convert.tls, "current_tx", None)
-    return is_dist_compiler(getattr(getattr(tx, "output", None), "compiler_fn", None))
+    return getattr(symbolic_convert.tls, "current_tx", None)
+
+
+def dist_backend_is_tracing() -> bool:
+    """True while Dynamo traces a frame for the ``dist`` backend (not for any other backend)."""
+    return is_dist_compiler(getattr(getattr(_current_tx(), "output", None), "compiler_fn", None))
 
 
 def is_dist_compiler(fn) -> bool:
@@ -569,21 +573,14 @@ def wrap_frame_compile(wrap: Callable) -> bool:
 def dynamo_frame_file() -> str | None:
     """The file of the frame Dynamo is compiling (the backend runs inside its trace), or None
     outside one (2.11, 2.13)."""
-    from torch._dynamo import symbolic_convert
-
-    tx = getattr(symbolic_convert.tls, "current_tx", None)
-    code = getattr(tx, "f_code", None)
-    return getattr(code, "co_filename", None)
+    return getattr(getattr(_current_tx(), "f_code", None), "co_filename", None)
 
 
 def dynamo_frame_locals() -> dict | None:
     """The locals of the frame Dynamo is compiling (the backend runs inside its trace), or None
     outside one: the roots Dynamo's sources and module paths start from (``L['self']``)
     (2.13)."""
-    from torch._dynamo import symbolic_convert
-
-    tx = getattr(symbolic_convert.tls, "current_tx", None)
-    found = getattr(tx, "f_locals", None)
+    found = getattr(_current_tx(), "f_locals", None)
     return found if isinstance(found, dict) else None
 
 
