@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from inductor_passes import layout
+from inductor_passes import cpu_probe, early_kernels, layout
 from inductor_passes.compile import compile_joint
 from inductor_passes.core import compat, roles
 from inductor_passes.core.mesh_facts import data_axes
@@ -144,6 +144,9 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
         raise ValueError(f"dist backend: unknown option(s) {sorted(opts)}; the options are "
                          f"inductor, simulate and planner")
     agreement.begin_graph()
+    if patches.will_compile_cpu_kernels({"inductor": inductor, "simulate": simulate},
+                                        _devices(example_inputs)):
+        cpu_probe.start()  # g++ on a thread while we capture, plan and lower (once a process)
     if (compat.dynamo_frame_file() or "").startswith(patches.DTENSOR_DIR):
         # DTensor's own code, entered while a step Dynamo split runs eagerly (autograd calling
         # from_local's backward, DTensor's dispatch): local bookkeeping, not a global program
@@ -170,6 +173,10 @@ def dist_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
         raise
     return compiled
 
+
+
+def _devices(example_inputs: Sequence[Any]) -> set[str]:
+    return {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
 
 
 def _code_name(gm: fx.GraphModule) -> str:
@@ -314,7 +321,9 @@ def _compile(gm: fx.GraphModule, example_inputs: list, inductor: bool, config: P
         # in it crashed there)
         if not inductor or simulate:
             return gm
-        with compat.autocast_as(amp):  # torch's compile handles the user's autocast itself
+        cpu_probe.wait()
+        # torch's compile handles the user's autocast itself
+        with compat.autocast_as(amp), early_kernels.submitting():
             return compat.compile_fx(gm, example_inputs)
 
     boundary = [_input_placements(i, mesh) for i in program.primal_inputs]

@@ -48,6 +48,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from inductor_passes import cpu_probe, early_kernels
 from inductor_passes.core import compat
 from inductor_passes.core.collectives import KINDS, collective_op
 from inductor_passes.core.errors import DistCompileError
@@ -179,7 +180,9 @@ def compile_local(gm: fx.GraphModule, example_inputs: Sequence[Any], inductor: b
     found = collectives(gm)
     compiled: Any = gm
     if inductor:
-        compiled = compat.compile_fx(gm, list(example_inputs))
+        cpu_probe.wait()
+        with early_kernels.submitting():
+            compiled = compat.compile_fx(gm, list(example_inputs))
     seconds = time.perf_counter() - t
     phase = "backward" if ca_id is not None else "forward"
     _RECORDS.append(BackwardRecord(phase, gm, ca_id, found, seconds, inductor))

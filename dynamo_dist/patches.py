@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Placement
 
+from inductor_passes import cpu_probe
 from inductor_passes.core import compat
 from inductor_passes.core.compat import (STATIC_FIX, DTensorSpec, OpSchema, OutputSharding,
                                          StridedShard, TensorMeta, TracingContext, data_dependent,
@@ -47,6 +48,7 @@ def install() -> None:
         install_metadata_attr_folding()
     install_backend_ctx_with_options()
     install_frame_compile_gc_pause()
+    install_cpu_probe_at_frame_compile()
     regions.install_layer_regions()
     install_whole_step()
     install_symbolic_plain_tensor_wrapping()
@@ -69,6 +71,33 @@ def install_frame_compile_gc_pause() -> bool:
     took about 0.8 s beyond the backend's own. Other backends' compiles, and every call of a
     compiled function, keep Python's schedule. Returns whether it is installed."""
     return compat.wrap_frame_compile(_paused_for_dist)
+
+
+def _probe_for_dist(original, compiler_fn, args, kwargs):
+    if compat.is_dist_compiler(compiler_fn) and will_compile_cpu_kernels(
+            compat.compile_options(compiler_fn)):
+        cpu_probe.start()
+    return original(*args, **kwargs)
+
+
+def will_compile_cpu_kernels(options: dict, devices: set[str] | None = None) -> bool:
+    """Whether a ``dist`` compile with these backend ``options`` will have Inductor generate
+    C++ kernels: Inductor on (``inductor``, not ``simulate``) and the program on the CPU
+    (``devices``: its inputs' device types; before Dynamo has made them, a machine with no
+    CUDA device)."""
+    if not options.get("inductor", True) or options.get("simulate", False):
+        return False
+    if devices is None:
+        return not torch.cuda.is_available()
+    return devices == {"cpu"}
+
+
+def install_cpu_probe_at_frame_compile() -> bool:
+    """When Dynamo starts compiling a frame for ``dist`` on a CPU-only machine, Inductor's probe
+    of the CPU's vector instructions starts on a thread (``inductor_passes.cpu_probe``), so its
+    g++ builds (about 8 s on an empty cache) run while Dynamo and our stages run. Returns
+    whether it is installed."""
+    return compat.wrap_frame_compile(_probe_for_dist)
 
 
 def install_plain_random_while_tracing() -> bool:

@@ -16,7 +16,8 @@ from inductor_passes.core import compat
 from inductor_passes.core import inductor_fix  # noqa: F401  (installs the fix on import)
 from inductor_passes.core.collectives import collective_kind
 
-from . import comm, dedup, layer_partition, matmul_sums, memory, outline, prefetch, schedule
+from . import (comm, cpu_probe, dedup, early_kernels, layer_partition, matmul_sums, memory,
+               outline, prefetch, schedule)
 from .align_saves import align_saves
 
 # Part of Inductor's FX-graph cache key for our compiles: an artifact compiled before
@@ -112,10 +113,11 @@ def _inductor(gm: fx.GraphModule, inputs: list, is_backward: bool, visible: int
     out.meta[compat.USER_VISIBLE_OUTPUTS_META] = [
         i for i, a in enumerate(out.args[0][:visible]) if isinstance(a, fx.Node)]
     fake_mode = compat.detect_fake_mode(inputs)
+    cpu_probe.wait()  # its answer cached before Inductor's first C++ kernel asks
     with compat.tracing(compat.TracingContext(fake_mode)), \
             compat.inductor_config_patch({**_post_grad_config(gm),
                                           **prefetch.inductor_config(gm)}), \
-            _cache_key_tagged(), \
+            _cache_key_tagged(), early_kernels.submitting(), \
             compat.reported_output_strides() as strides:
         compiled = compat.compile_fx_inner(gm, inputs, is_backward=is_backward)
         return compiled, list(strides)

@@ -589,3 +589,27 @@ def test_a_backend_reads_the_frames_locals_graph_input_values_and_module_paths()
     assert all(any(v is p for v in seen["values"]) for p in params)
     assert {id(m) for m in seen["modules"]} == {id(model[0]), id(model[1][0])}
     assert seen["missing"] is None
+
+
+def test_inductor_cpu_accessors_and_the_options_torch_compile_hands_a_backend():
+    """The accessors ``cpu_probe`` and ``early_kernels`` read: Inductor's vector-ISA choice, its
+    wrapper generator's ``define_kernel``, a wrapper module's ``async_compile`` and whether it
+    builds asynchronously; and the options ``torch.compile`` wraps around a backend."""
+    import inspect
+
+    from torch._inductor import cpu_vec_isa
+
+    assert compat.pick_cpu_vec_isa() == cpu_vec_isa.pick_vec_isa()
+    params = list(inspect.signature(compat.python_wrapper_codegen().define_kernel).parameters)
+    assert params[:3] == ["self", "kernel_name", "kernel_body"], params
+    assert callable(compat.async_compile().cpp_pybinding)
+    assert isinstance(compat.inductor_compiles_async(), bool)
+
+    def backend(gm, inputs, options=None):
+        return gm.forward
+
+    backend._dynamo_dist_backend = True
+    wrapper = torch._TorchCompileWrapper(backend, None, {"inductor": False}, None)
+    assert compat.compile_options(wrapper) == {"inductor": False}
+    assert compat.is_dist_compiler(wrapper)
+    assert compat.compile_options(backend) == {} and compat.compile_options(None) == {}

@@ -530,13 +530,17 @@ def dist_backend_is_tracing() -> bool:
 
 def is_dist_compiler(fn) -> bool:
     """``fn`` (a compiler function as Dynamo holds it) is the ``dist`` backend."""
-    for _ in range(8):  # unwrap Dynamo's debug wrapper and torch.compile's options wrapper
+    return any(getattr(f, "_dynamo_dist_backend", False) for f in _compiler_chain(fn))
+
+
+def _compiler_chain(fn):
+    """``fn`` and what it wraps: Dynamo's debug wrapper, torch.compile's options wrapper
+    (``_TorchCompileWrapper``), the backend function (2.11, 2.13)."""
+    for _ in range(8):
         if fn is None:
-            return False
-        if getattr(fn, "_dynamo_dist_backend", False):
-            return True
+            return
+        yield fn
         fn = getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
-    return False
 
 
 def wrap_frame_compile(wrap: Callable) -> bool:
@@ -884,6 +888,52 @@ def reported_output_strides():
 # Inductor keeps the traced strides only for outputs listed under this key of the output node's
 # meta ("user-visible"; compile_fx_forward/backward set it, compile_fx_inner does not). (2.13)
 USER_VISIBLE_OUTPUTS_META = "user_visible_output_idxs"
+
+
+def pick_cpu_vec_isa():
+    """Inductor's choice of the CPU's vector ISA (``torch._inductor.cpu_vec_isa.pick_vec_isa``,
+    checked on torch 2.11 and 2.13): the first call in a process builds and loads a probe per
+    candidate ISA (g++ and a Python child each; kept in Inductor's cache directory), later calls
+    read ``functools`` caches."""
+    from torch._inductor import cpu_vec_isa
+
+    return cpu_vec_isa.pick_vec_isa()
+
+
+def python_wrapper_codegen():
+    """Inductor's Python wrapper code generator class
+    (``torch._inductor.codegen.wrapper.PythonWrapperCodegen``, 2.11 and 2.13): its
+    ``define_kernel(name, body, ...)`` writes ``name = body`` into a graph's wrapper module."""
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    return PythonWrapperCodegen
+
+
+def async_compile():
+    """A new ``torch._inductor.async_compile.AsyncCompile``: what a wrapper module names
+    ``async_compile`` (2.11, 2.13)."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    return AsyncCompile()
+
+
+def inductor_compiles_async() -> bool:
+    """Whether Inductor builds kernels on its compile threads (more than one), not in the
+    calling thread (``async_compile.get_compile_threads``, 2.11, 2.13)."""
+    from torch._inductor.async_compile import get_compile_threads
+
+    return get_compile_threads() > 1
+
+
+def compile_options(compiler_fn) -> dict:
+    """The ``options`` ``torch.compile`` hands a backend with ``compiler_fn`` (as Dynamo holds
+    it: its debug wrapper around ``_TorchCompileWrapper``, whose ``kwargs`` carry them); {} when
+    there are none (2.11, 2.13)."""
+    for fn in _compiler_chain(compiler_fn):
+        kwargs = getattr(fn, "kwargs", None)
+        if isinstance(kwargs, dict) and isinstance(kwargs.get("options"), dict):
+            return kwargs["options"]
+    return {}
 
 
 def inductor_config_patch(entries: dict) -> contextlib.AbstractContextManager:
