@@ -535,7 +535,8 @@ def is_dist_compiler(fn) -> bool:
 
 def _compiler_chain(fn):
     """``fn`` and what it wraps: Dynamo's debug wrapper, torch.compile's options wrapper
-    (``_TorchCompileWrapper``), the backend function (2.11, 2.13)."""
+    (``_TorchCompileWrapper``), the backend function (the unwrapping ``is_dist_compiler`` did
+    before: 2.11, 2.13)."""
     for _ in range(8):
         if fn is None:
             return
@@ -892,9 +893,9 @@ USER_VISIBLE_OUTPUTS_META = "user_visible_output_idxs"
 
 def pick_cpu_vec_isa():
     """Inductor's choice of the CPU's vector ISA (``torch._inductor.cpu_vec_isa.pick_vec_isa``,
-    checked on torch 2.11 and 2.13): the first call in a process builds and loads a probe per
-    candidate ISA (g++ and a Python child each; kept in Inductor's cache directory), later calls
-    read ``functools`` caches."""
+    checked on 2.13): the first call in a process builds and loads a probe per candidate ISA
+    (g++ and a Python child each; kept in Inductor's cache directory), later calls read
+    ``functools`` caches. Raises what Inductor raises (ImportError where torch lacks it)."""
     from torch._inductor import cpu_vec_isa
 
     return cpu_vec_isa.pick_vec_isa()
@@ -902,16 +903,19 @@ def pick_cpu_vec_isa():
 
 def python_wrapper_codegen():
     """Inductor's Python wrapper code generator class
-    (``torch._inductor.codegen.wrapper.PythonWrapperCodegen``, 2.11 and 2.13): its
-    ``define_kernel(name, body, ...)`` writes ``name = body`` into a graph's wrapper module."""
-    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
-
+    (``torch._inductor.codegen.wrapper.PythonWrapperCodegen``, checked on 2.13; None where torch
+    has no such class): its ``define_kernel(name, body, ...)`` writes ``name = body`` into a
+    graph's wrapper module."""
+    try:
+        from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+    except ImportError:
+        return None
     return PythonWrapperCodegen
 
 
 def async_compile():
     """A new ``torch._inductor.async_compile.AsyncCompile``: what a wrapper module names
-    ``async_compile`` (2.11, 2.13)."""
+    ``async_compile`` (checked on 2.13)."""
     from torch._inductor.async_compile import AsyncCompile
 
     return AsyncCompile()
@@ -919,16 +923,19 @@ def async_compile():
 
 def inductor_compiles_async() -> bool:
     """Whether Inductor builds kernels on its compile threads (more than one), not in the
-    calling thread (``async_compile.get_compile_threads``, 2.11, 2.13)."""
-    from torch._inductor.async_compile import get_compile_threads
-
+    calling thread (``async_compile.get_compile_threads``, checked on 2.13; False where torch
+    has no such function)."""
+    try:
+        from torch._inductor.async_compile import get_compile_threads
+    except ImportError:
+        return False
     return get_compile_threads() > 1
 
 
 def compile_options(compiler_fn) -> dict:
     """The ``options`` ``torch.compile`` hands a backend with ``compiler_fn`` (as Dynamo holds
     it: its debug wrapper around ``_TorchCompileWrapper``, whose ``kwargs`` carry them); {} when
-    there are none (2.11, 2.13)."""
+    there are none (checked on 2.13)."""
     for fn in _compiler_chain(compiler_fn):
         kwargs = getattr(fn, "kwargs", None)
         if isinstance(kwargs, dict) and isinstance(kwargs.get("options"), dict):
