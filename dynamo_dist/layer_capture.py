@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from inductor_passes.core import compat
 from inductor_passes.core.layers import layer_of
-from inductor_passes.outline import switch
+from inductor_passes.core.switches import switch
 from inductor_passes.stamp import FakeCopier, NotStamped, place
 
 log = logging.getLogger("dynamo_dist.layer_capture")

@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from inductor_passes.core import compat
 from inductor_passes.core.errors import DistCompileError, user_source
-from inductor_passes.outline import switch
+from inductor_passes.core.switches import switch
 
 log = logging.getLogger("dynamo_dist")
 

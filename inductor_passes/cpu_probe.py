@@ -18,10 +18,10 @@ configuration). ``DYNAMO_DIST_CPU_PROBE=0`` leaves the probe to Inductor.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 from inductor_passes.core import compat
+from inductor_passes.core.switches import switch
 
 log = logging.getLogger("dynamo_dist")
 _lock = threading.Lock()
@@ -31,11 +31,8 @@ _thread: threading.Thread | None = None
 def enabled() -> bool:
     """``DYNAMO_DIST_CPU_PROBE`` is 1 (default: probe early, on a thread) or 0 (Inductor probes
     when its first C++ kernel needs it). Raises ValueError for another value."""
-    flag = os.environ.get("DYNAMO_DIST_CPU_PROBE", "1")
-    if flag not in ("0", "1"):
-        raise ValueError(f"DYNAMO_DIST_CPU_PROBE={flag!r}: fix: use 1 (probe the CPU's vector "
-                         f"instructions on a thread while compiling, the default) or 0")
-    return flag == "1"
+    return switch("DYNAMO_DIST_CPU_PROBE", "probe the CPU on a thread while compiling",
+                  "Inductor probes when its first kernel needs it")
 
 
 def start() -> bool:

@@ -21,11 +21,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 from typing import Iterator
 
 from inductor_passes.core import compat
+from inductor_passes.core.switches import switch
 
 log = logging.getLogger("dynamo_dist")
 _CPP_KERNEL = "async_compile.cpp_pybinding("
@@ -34,11 +34,8 @@ _state = threading.local()
 
 def enabled() -> bool:
     """``DYNAMO_DIST_EARLY_KERNELS`` is 1 (default) or 0. Raises ValueError for another value."""
-    flag = os.environ.get("DYNAMO_DIST_EARLY_KERNELS", "1")
-    if flag not in ("0", "1"):
-        raise ValueError(f"DYNAMO_DIST_EARLY_KERNELS={flag!r}: fix: use 1 (C++ kernels go to "
-                         f"g++ as Inductor generates them, the default) or 0")
-    return flag == "1"
+    return switch("DYNAMO_DIST_EARLY_KERNELS", "C++ kernels go to g++ as they are generated",
+                  "when the graph's module loads")
 
 
 @contextlib.contextmanager
@@ -61,7 +58,7 @@ def install() -> bool:
     original = getattr(cls, "define_kernel", None)
     if original is None:
         return False
-    if getattr(original, "_dynamo_dist_early", False):
+    if getattr(original, "_dynamo_dist_patch", False):
         return True
 
     @functools.wraps(original)
@@ -72,7 +69,7 @@ def install() -> bool:
             _submit(kernel_body)
         return out
 
-    define_kernel._dynamo_dist_early = True
+    define_kernel._dynamo_dist_patch = True
     cls.define_kernel = define_kernel
     return True
 

@@ -51,7 +51,8 @@ import torch
 import torch.fx as fx
 
 from .core import compat, roles
-from .outline import INVOKE_SUBGRAPH, _Instance, instances, switch
+from .core.switches import switch
+from .outline import INVOKE_SUBGRAPH, _Instance, instances
 from .stamp import FakeCopier, NotStamped
 
 log = logging.getLogger("dynamo_dist.layer_partition")

@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-import os
 from typing import Any, Callable
 
 import torch
@@ -45,6 +44,7 @@ import torch.fx as fx
 
 from inductor_passes.core.collectives import collective_op
 from inductor_passes.core.layers import layer_of
+from inductor_passes.core.switches import switch
 
 from .schedule import INVOKE_SUBGRAPH, movable
 
@@ -58,15 +58,6 @@ WAIT = torch.ops._c10d_functional.wait_tensor.default
 OUTSIDE = "dynamo_dist_outside_layer"
 _CONSTANTS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
               torch.memory_format)
-
-
-def switch(name: str, on: str, off: str) -> bool:
-    """Environment variable ``name``: "1" (the default: ``on``) or "0" (``off``); ValueError
-    naming both for another value."""
-    text = os.environ.get(name, "1")
-    if text not in ("0", "1"):
-        raise ValueError(f"{name}={text!r}: fix: use 1 ({on}, the default) or 0 ({off})")
-    return text == "1"
 
 
 def enabled() -> bool:

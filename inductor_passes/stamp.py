@@ -36,7 +36,8 @@ import torch.utils._pytree as pytree
 from .core import compat
 from .core.ledger import CollectiveEntry
 from .core.errors import user_source
-from .outline import _Instance, instances, switch
+from .core.switches import switch
+from .outline import _Instance, instances
 
 log = logging.getLogger("dynamo_dist.stamp")
 
