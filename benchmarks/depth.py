@@ -22,8 +22,10 @@ full garbage collections run on their own schedule during the backend's compile,
 first C++ kernel needs them, not on a thread from the start of the compile,
 ``inductor_passes.cpu_probe``), ``latekernels`` (``DYNAMO_DIST_EARLY_KERNELS=0``: each C++
 kernel goes to g++ when Inductor loads its graph's module, not as it is generated,
-``inductor_passes.early_kernels``), ``serial`` (both of the last two off: g++ runs only while
-the compile waits for it, as before 2026-12-07) and ``perblock`` (each decoder layer compiled on
+``inductor_passes.early_kernels``), ``loadwait`` (``DYNAMO_DIST_DEFERRED_LOADS=0``: the
+forward's module waits for its kernels when loaded, before the backward is generated),
+``serial`` (the last three off: g++ runs only while the compile waits for it, as before
+2026-12-07) and ``perblock`` (each decoder layer compiled on
 its own with ``dynamo_dist.compile_blocks``, torchtitan's way: the embedding, final
 norm and head run eagerly on DTensors, and Dynamo reuses one compiled block for every layer;
 its stages are summed over the graphs compiled, ``graphs``).
@@ -190,6 +192,7 @@ def _run(args, layers: int, variant: str, port: int) -> dict:
                    DYNAMO_DIST_CPU_PROBE="0" if variant in ("noprobe", "serial") else "1",
                    DYNAMO_DIST_EARLY_KERNELS="0" if variant in ("latekernels", "serial")
                    else "1",
+                   DYNAMO_DIST_DEFERRED_LOADS="0" if variant in ("loadwait", "serial") else "1",
                    PYTHONPATH=ROOT)
         t = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
@@ -212,7 +215,7 @@ def _ratios(rows: list[dict]) -> dict:
     for layers in sorted({r["layers"] for r in ok}):
         at = {r["variant"]: r for r in ok if r["layers"] == layers}
         for other in ("inline", "unstamped", "prefetched", "wholecut", "traced", "fullgc",
-                      "noprobe", "latekernels", "serial", "inductor"):
+                      "noprobe", "latekernels", "loadwait", "serial", "inductor"):
             if "outline" in at and other in at:
                 out[f"{layers} layers: first call, outline / {other}"] = round(
                     at["outline"]["first_call_s"] / at[other]["first_call_s"], 3)
@@ -263,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--variants", nargs="+", default=["outline", "inline"],
                     choices=["outline", "inline", "unstamped", "prefetched", "wholecut", "traced",
-                             "fullgc", "noprobe", "latekernels", "serial", "perblock"])
+                             "fullgc", "noprobe", "latekernels", "loadwait", "serial",
+                             "perblock"])
     ap.add_argument("--baseline", action="store_true",
                     help="also plain torch.compile (Inductor, one device) at each depth")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (world size 1)")

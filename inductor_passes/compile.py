@@ -248,14 +248,16 @@ def _compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward:
                 for a in fw_out[num_fwd_outputs:])
     peak = memory.predict_peak(fw_gm, bw_gm, num_fwd_outputs, sizes)  # before Inductor edits
     outlined: list = []
-    forward, fw_strides, fw_buckets = _compile(fw_gm, inductor, False, num_fwd_outputs, None,
-                                               outlined)
-    saved_strides = fw_strides[num_fwd_outputs:num_fwd_outputs + num_saved - sizes] \
-        if fw_strides is not None else None
-    bw_inputs = _example_inputs(bw_gm)
-    bw_inputs[sizes:] = _restrided(bw_inputs[sizes:], saved_strides)
-    backward, _, bw_buckets = _compile(bw_gm, inductor, True, len(bw_gm.graph.find_nodes(
-        op="output")[0].args[0]), bw_inputs, outlined)
+    # the forward's kernels are built while the backward is generated (early_kernels)
+    with early_kernels.loads_deferred():
+        forward, fw_strides, fw_buckets = _compile(fw_gm, inductor, False, num_fwd_outputs,
+                                                   None, outlined)
+        saved_strides = fw_strides[num_fwd_outputs:num_fwd_outputs + num_saved - sizes] \
+            if fw_strides is not None else None
+        bw_inputs = _example_inputs(bw_gm)
+        bw_inputs[sizes:] = _restrided(bw_inputs[sizes:], saved_strides)
+        backward, _, bw_buckets = _compile(bw_gm, inductor, True, len(bw_gm.graph.find_nodes(
+            op="output")[0].args[0]), bw_inputs, outlined)
     buckets = {k: fw_buckets.get(k, []) + bw_buckets.get(k, [])
                for k in {*fw_buckets, *bw_buckets}}
     issued = _issued(counts, buckets)

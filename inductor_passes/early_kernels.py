@@ -51,6 +51,58 @@ def submitting() -> Iterator[None]:
         _state.on = before
 
 
+@contextlib.contextmanager
+def loads_deferred() -> Iterator[None]:
+    """Inside, a wrapper module Inductor loads on this thread (at the end of each graph's
+    compile) does not wait there for its kernels' builds: the next graph's codegen (the
+    backward's, after the forward's) runs while g++ finishes them. On leaving normally, each
+    such module's builds are waited for, in load order, and its kernels bound in the module as
+    Inductor binds them; a failed build raises there. Nothing may call a module compiled
+    inside before then. Off with either switch (``DYNAMO_DIST_EARLY_KERNELS``,
+    ``DYNAMO_DIST_DEFERRED_LOADS``) or where Inductor builds synchronously; ValueError for a
+    bad switch value."""
+    pending: list = []
+    on = enabled() and switch("DYNAMO_DIST_DEFERRED_LOADS", "the next graph is generated while "
+                              "g++ builds the last one's kernels", "each module waits for its "
+                              "kernels when loaded") and \
+        compat.inductor_compiles_async() and _install_wait()
+    before = getattr(_state, "deferred", None)
+    _state.deferred = pending if on else before
+    try:
+        yield
+    finally:
+        _state.deferred = before
+    for waiter, scope in pending:
+        compat.wait_for_kernels(waiter, scope)
+
+
+def _install_wait() -> bool:
+    """Wrap ``AsyncCompile.wait`` (idempotent): under ``loads_deferred``, it records the
+    module's scope and runs with its futures left unresolved."""
+    cls = type(compat.async_compile())
+    original = getattr(cls, "wait", None)
+    if original is None or not hasattr(cls, "_wait_futures"):
+        return False
+    if getattr(original, "_dynamo_dist_patch", False):
+        return True
+
+    @functools.wraps(original)
+    def wait(self, scope, *args, **kwargs):
+        pending = getattr(_state, "deferred", None)
+        if pending is None:
+            return original(self, scope, *args, **kwargs)
+        pending.append((self, scope))
+        self._wait_futures = lambda scope: None  # Inductor's own bookkeeping still runs
+        try:
+            return original(self, scope, *args, **kwargs)
+        finally:
+            del self._wait_futures
+
+    wait._dynamo_dist_patch = True
+    cls.wait = wait
+    return True
+
+
 def install() -> bool:
     """Wrap Inductor's ``PythonWrapperCodegen.define_kernel`` (idempotent); False where torch
     has no such method."""

@@ -191,7 +191,41 @@ def test_no_early_kernels_for_another_backend_or_when_off(builds, monkeypatch):
     monkeypatch.setenv("DYNAMO_DIST_EARLY_KERNELS", "0")
     with early_kernels.submitting():
         assert not getattr(early_kernels._state, "on", False)
+    with early_kernels.loads_deferred():
+        assert getattr(early_kernels._state, "deferred", None) is None
+    monkeypatch.setenv("DYNAMO_DIST_EARLY_KERNELS", "1")
+    monkeypatch.setenv("DYNAMO_DIST_DEFERRED_LOADS", "0")
+    with early_kernels.loads_deferred():
+        assert getattr(early_kernels._state, "deferred", None) is None
     monkeypatch.setenv("DYNAMO_DIST_EARLY_KERNELS", "later")
     with pytest.raises(ValueError, match="DYNAMO_DIST_EARLY_KERNELS"):
         with early_kernels.submitting():
             pass
+
+
+def test_the_forwards_kernels_are_built_while_the_backward_is_generated(mesh_of_one,
+                                                                        monkeypatch):
+    """Under ``loads_deferred`` the forward's module is loaded without waiting for its builds;
+    both halves are generated first, then each module's kernels are bound (and the step runs at
+    parity with them)."""
+    seen: list[tuple] = []
+    real_inner, real_wait = compat.compile_fx_inner, compat.wait_for_kernels
+
+    def inner(*args, **kwargs):
+        seen.append(("inductor",))
+        return real_inner(*args, **kwargs)
+
+    def wait(waiter, scope):
+        pending = sum(1 for v in scope.values() if hasattr(v, "result"))
+        seen.append(("bound", pending))
+        real_wait(waiter, scope)
+        assert not any(hasattr(v, "result") for v in scope.values()), "a kernel left unbound"
+
+    monkeypatch.setattr(compat, "compile_fx_inner", inner)
+    monkeypatch.setattr(compat, "wait_for_kernels", wait)
+    with torch._inductor.utils.fresh_cache():
+        _step(mesh_of_one(("tp",)))
+    names = _names(seen)
+    assert names[:2] == ["inductor", "inductor"] and "bound" in names[2:], seen
+    assert sum(e[1] for e in seen if e[0] == "bound") >= 1, seen  # something was still pending
+    torch._dynamo.reset()

@@ -921,6 +921,13 @@ def async_compile():
     return AsyncCompile()
 
 
+def wait_for_kernels(waiter, scope: dict) -> None:
+    """Bind each kernel build still pending in ``scope`` (a wrapper module's globals) to its
+    result, as ``AsyncCompile.wait`` does (``_wait_futures``, checked on 2.13); raises a failed
+    build's error."""
+    type(waiter)._wait_futures(waiter, scope)
+
+
 def inductor_compiles_async() -> bool:
     """Whether Inductor builds kernels on its compile threads (more than one), not in the
     calling thread (``async_compile.get_compile_threads``, checked on 2.13; False where torch
