@@ -79,10 +79,10 @@ def loads_deferred() -> Iterator[None]:
 def _install_wait() -> bool:
     """Wrap ``AsyncCompile.wait`` (idempotent): under ``loads_deferred``, it records the
     module's scope and runs with its futures left unresolved."""
-    cls = type(compat.async_compile())
-    original = getattr(cls, "wait", None)
-    if original is None or not hasattr(cls, "_wait_futures"):
+    if not compat.can_leave_kernels_pending():
         return False
+    cls = type(compat.async_compile())
+    original = cls.wait
     if getattr(original, "_dynamo_dist_patch", False):
         return True
 
@@ -92,11 +92,8 @@ def _install_wait() -> bool:
         if pending is None:
             return original(self, scope, *args, **kwargs)
         pending.append((self, scope))
-        self._wait_futures = lambda scope: None  # Inductor's own bookkeeping still runs
-        try:
+        with compat.kernels_left_pending(self):  # Inductor's own bookkeeping still runs
             return original(self, scope, *args, **kwargs)
-        finally:
-            del self._wait_futures
 
     wait._dynamo_dist_patch = True
     cls.wait = wait

@@ -604,6 +604,22 @@ def test_inductor_cpu_accessors_and_the_options_torch_compile_hands_a_backend():
     assert params[:3] == ["self", "kernel_name", "kernel_body"], params
     assert callable(compat.async_compile().cpp_pybinding)
     assert isinstance(compat.inductor_compiles_async(), bool)
+    # a module's wait left with its kernel pending, then bound
+    from concurrent.futures import Future
+
+    assert compat.can_leave_kernels_pending()
+    done = Future()
+    done.set_result("kernel")
+    scope, waiter = {"cpp_fused_0": done}, compat.async_compile()
+    with compat.kernels_left_pending(waiter):
+        waiter.wait(scope)
+    assert scope["cpp_fused_0"] is done
+    if compat.inductor_compiles_async():  # (a synchronous Inductor's wait binds nothing)
+        waiter.wait(scope)  # the instance's own wait again
+        assert scope["cpp_fused_0"] == "kernel"
+        scope["cpp_fused_0"] = done
+    compat.wait_for_kernels(waiter, scope)
+    assert scope["cpp_fused_0"] == "kernel"
 
     def backend(gm, inputs, options=None):
         return gm.forward

@@ -928,6 +928,26 @@ def wait_for_kernels(waiter, scope: dict) -> None:
     type(waiter)._wait_futures(waiter, scope)
 
 
+@contextlib.contextmanager
+def kernels_left_pending(waiter):
+    """Inside, ``waiter.wait(scope)`` (an ``AsyncCompile``) does its bookkeeping but binds no
+    kernel: its ``_wait_futures`` is shadowed on the instance (checked on 2.13)."""
+    waiter._wait_futures = lambda scope: None
+    try:
+        yield
+    finally:
+        del waiter._wait_futures
+
+
+def can_leave_kernels_pending() -> bool:
+    """Whether ``AsyncCompile`` has the ``wait`` / ``_wait_futures`` pair the two functions
+    above rely on."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    return callable(getattr(AsyncCompile, "wait", None)) and \
+        callable(getattr(AsyncCompile, "_wait_futures", None))
+
+
 def inductor_compiles_async() -> bool:
     """Whether Inductor builds kernels on its compile threads (more than one), not in the
     calling thread (``async_compile.get_compile_threads``, checked on 2.13; False where torch
