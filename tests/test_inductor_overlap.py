@@ -229,3 +229,14 @@ def test_the_forwards_kernels_are_built_while_the_backward_is_generated(mesh_of_
     assert names[:2] == ["inductor", "inductor"] and "bound" in names[2:], seen
     assert sum(e[1] for e in seen if e[0] == "bound") >= 1, seen  # something was still pending
     torch._dynamo.reset()
+
+
+def test_which_compiles_probe():
+    """Inductor on and not simulated, and a program on the CPU (before Dynamo has made the
+    inputs: a machine with no CUDA device)."""
+    from dynamo_dist.patches import will_compile_cpu_kernels as will
+
+    assert will({}, {"cpu"}) and will({"inductor": True}, {"cpu"})
+    assert not will({"inductor": False}, {"cpu"}) and not will({"simulate": True}, {"cpu"})
+    assert not will({}, {"cuda"}) and not will({}, {"cpu", "cuda"}) and not will({}, set())
+    assert will({}) == (not torch.cuda.is_available())
