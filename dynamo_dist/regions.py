@@ -146,7 +146,12 @@ def _repeated_children(frame_locals: dict) -> set[int]:
     block; a lone ``nn.Linear`` or activation is one op, cheaper for Dynamo inline than as a
     region)."""
     found: set[int] = set()
-    roots = [v for v in frame_locals.values() if isinstance(v, torch.nn.Module)]
+    # (a wrapper's ``*args``/``**kwargs`` hold the model: transformers' deprecation wrapper
+    # is the frame Dynamo compiles for ``torch.compile(hf_model)``)
+    values = [*frame_locals.values(), *(v for c in frame_locals.values()
+                                        if isinstance(c, (tuple, list, dict))
+                                        for v in (c.values() if isinstance(c, dict) else c))]
+    roots = [v for v in values if isinstance(v, torch.nn.Module)]
     for container in {id(m): m for r in roots for m in r.modules()}.values():
         if isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
             kids = list(container.children())
@@ -231,6 +236,8 @@ def install_layer_regions() -> bool:
 
     call_function._dynamo_dist_patch = True
     cls.call_function = call_function
+    # the reuse lookup of every later layer: its arguments fingerprinted in Python
+    compat.fast_region_fingerprints(lambda: _FRAME.get() is not None)
     return compat.wrap_frame_compile(_with_layer_regions)
 
 

@@ -591,6 +591,19 @@ def test_a_backend_reads_the_frames_locals_graph_input_values_and_module_paths()
     assert seen["missing"] is None
 
 
+def test_module_at_path_follows_subscripts():
+    """A wrapper frame's ``*args``/``**kwargs`` (transformers' deprecation wrapper): the
+    path goes through a subscript before its attributes."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU()))
+    frame = {"args": (model,), "kwargs": {"net": model}}
+    assert compat.module_at_path("L['args'][0].1.0", frame) is model[1][0]
+    assert compat.module_at_path("L['kwargs']['net'].0", frame) is model[0]
+    assert compat.module_at_path("L['args'][0]", frame) is model
+    for bad in ("L['args'][1].0", "L['args'][0].7", "L['args'][0]..0", "L['args'](0)",
+                "L['kwargs']['other']", "args[0]"):
+        assert compat.module_at_path(bad, frame) is None, bad
+
+
 def test_inductor_cpu_accessors_and_the_options_torch_compile_hands_a_backend():
     """The accessors ``cpu_probe`` and ``early_kernels`` read: Inductor's vector-ISA choice, its
     wrapper generator's ``define_kernel``, a wrapper module's ``async_compile`` and whether it

@@ -262,3 +262,105 @@ def test_repeated_leaf_modules_are_traced_inline(mesh_of_one, caplog):
         out = torch.compile(model, backend="dist", options={"inductor": False})(x)
     torch.testing.assert_close(out.full_tensor(), ref(x))
     assert _inlined(caplog.records) == 0
+
+
+class _KwBlock(_Block):
+    """Called as transformers calls a decoder layer: keyword arguments, a tuple of tensors
+    (the rotary ``(cos, sin)``), a None and a number."""
+
+    def forward(self, x, pair=None, mask=None, scale=1.0):
+        a, b = pair
+        y = torch.relu(self.lin(x)) * a + b
+        return y * scale if mask is None else y * mask
+
+
+class _KwStack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.full((D,), 0.5))
+        self.b = torch.nn.Parameter(torch.full((D,), 0.25))
+        self.layers = torch.nn.ModuleList(_KwBlock() for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x, pair=(self.a, self.b), mask=None, scale=0.5)
+        return x.sum()
+
+
+def test_region_arguments_are_fingerprinted_in_python_as_dynamo_does(mesh_of_one, caplog,
+                                                                       monkeypatch):
+    """The reuse lookup's fingerprint of keyword and tuple arguments
+    (``compat.fast_region_fingerprints``) equals the one Dynamo traces through pytree: the
+    same spec, leaf kinds, sources, graph values and constants; and the layers are reused
+    and train as one device does."""
+    import logging
+
+    from torch._dynamo.variables import invoke_subgraph as isg
+
+    from inductor_passes.core import compat
+
+    installed = isg.build_fingerprint_with_pytree
+    assert getattr(installed, "_dynamo_dist_patch", False)
+    seen = []
+
+    def spy(tx, args, kwargs):
+        ours = compat._fingerprint_in_python(isg, args, kwargs)
+        seen.append((ours, installed.__wrapped__(tx, args, kwargs)))
+        return installed(tx, args, kwargs)
+
+    monkeypatch.setattr(isg, "build_fingerprint_with_pytree", spy)
+    torch.manual_seed(0)
+    ref = _KwStack()
+    model = copy.deepcopy(ref)
+    distribute_module(model, mesh_of_one(("tp",)))
+    torch._dynamo.reset()
+    x = torch.randn(4, D)
+    with caplog.at_level(logging.INFO, logger="dynamo_dist"):
+        loss = torch.compile(model, backend="dist", options={"inductor": False})(x)
+    loss.backward()
+    expected = ref(x)
+    expected.backward()
+    torch.testing.assert_close(loss.full_tensor(), expected)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad)
+    assert _inlined(caplog.records) >= 3  # as with Dynamo's own fingerprints
+    assert len(seen) >= 3, "the later layers were not looked up for reuse"
+    for ours, theirs in seen:
+        assert ours is not None and not ours.has_unknown
+        assert ours.treespec == theirs.treespec
+        assert [t for t, _ in ours.flat_vts] == [t for t, _ in theirs.flat_vts]
+        assert ours.arg_sources == theirs.arg_sources
+        for (tag, a), (_, b) in zip(ours.flat_vts, theirs.flat_vts):
+            if tag in (isg.InputTag.TENSOR, isg.InputTag.SYMNODE):
+                assert a.as_proxy().node is b.as_proxy().node
+            elif tag is isg.InputTag.CONSTANT:
+                assert a.as_python_constant() == b.as_python_constant()
+
+
+def test_a_transformers_model_compiled_directly_traces_its_layers_once(mesh_of_one, caplog):
+    """``torch.compile(hf_model)`` compiles transformers' wrapper frame
+    (``wrapped_func(*args, **kwargs)``): its layers are found through ``args`` and made
+    regions, looked up with the Python fingerprint, and the step is one device's."""
+    import logging
+
+    from torch._dynamo.variables import invoke_subgraph as isg
+
+    from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
+
+    size = LlamaSize(layers=3)
+    ref = build_llama(size)
+    model = copy.deepcopy(ref)
+    distribute_module(model, mesh_of_one(("tp",)))
+    torch._dynamo.reset()
+    tokens = token_batch(size, 0)
+    with caplog.at_level(logging.INFO, logger="dynamo_dist"):
+        loss = torch.compile(model, backend="dist", options={"inductor": False})(
+            tokens, labels=tokens).loss
+    loss.backward()
+    expected = ref(tokens, labels=tokens).loss
+    expected.backward()
+    torch.testing.assert_close(loss.full_tensor(), expected)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+    assert _inlined(caplog.records) == size.layers
+    assert getattr(isg.build_fingerprint_with_pytree, "_dynamo_dist_patch", False)
