@@ -141,7 +141,7 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A new graph module over a copy of ``gm``'s graph (node metadata shared)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
+    return compat.graph_module(gm, graph)
 
 
 def _cache_key_tagged():
@@ -183,7 +183,7 @@ def compile_joint(local_gm: fx.GraphModule, num_fwd_outputs: int, has_backward: 
     # a local program sized in a ShapeEnv of its own (dynamo_dist.symbolic.LocalSizes) is
     # partitioned and compiled in that fake mode, not in the one Dynamo's context names
     mode = compat.foreign_fake_mode(_example_inputs(local_gm))
-    with compat.tracing_in(mode):
+    with compat.tracing_in(mode), compat.lazy_graph_modules():
         return _compile_joint(local_gm, num_fwd_outputs, has_backward, inductor,
                               before_inductor or (lambda graphs: None), resident)
 

@@ -145,7 +145,7 @@ def _cut_out(rep: _Instance, static_nodes: set[fx.Node]
     fw_outputs = [j for j in used_outside if _forward(rep.nodes[j])]
     bw_outputs = [j for j in used_outside if not _forward(rep.nodes[j])]
     graph.output(tuple(env[rep.nodes[j]] for j in (*fw_outputs, *bw_outputs)))
-    return (fx.GraphModule(torch.nn.Module(), graph), fw_inputs, bw_inputs, fw_outputs,
+    return (compat.graph_module(torch.nn.Module(), graph), fw_inputs, bw_inputs, fw_outputs,
             bw_outputs, static)
 
 
@@ -333,7 +333,7 @@ def _outer(joint: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]
         first = next(n for n in graph.nodes if n.op != "placeholder")
         if node is not first:
             first.prepend(node)
-    gm = fx.GraphModule(root, graph)
+    gm = compat.graph_module(root, graph)
     gm.graph.lint()
     return gm
 

@@ -42,6 +42,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from inductor_passes.core import compat
 from inductor_passes.core.collectives import collective_op
 from inductor_passes.core.layers import layer_of
 from inductor_passes.core.switches import switch
@@ -256,7 +257,7 @@ def _body(inst: _Instance, outputs: list[int]) -> fx.GraphModule:
     for n in inst.nodes:
         env[n] = graph.node_copy(n, env.__getitem__)
     graph.output(tuple(env[inst.nodes[j]] for j in outputs))
-    return fx.GraphModule(torch.nn.Module(), graph)
+    return compat.graph_module(torch.nn.Module(), graph)
 
 
 def _replace(gm: fx.GraphModule, inst: _Instance, attr: fx.Node, name: str,
