@@ -31,6 +31,7 @@ from inductor_passes.core.annotation_ops import (CONSTRAINT_OP, encode_spec, ent
 from inductor_passes.core.errors import DistCompileError, source_of_failure, user_source
 from inductor_passes.core.ops import attention_math, matmul_nd, under_autocast, wants_matmul_nd
 from inductor_passes.core.placements import is_split, is_uneven, normalize, plannable, replicate
+from inductor_passes import stamp
 from inductor_passes.sharding.rules import PLANNED_WHOLE
 from inductor_passes.sharding.rules.embedding import own_backward_indices
 
@@ -702,6 +703,8 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
         )(primals, tangents)
         if _mutates(joint_gm):
             joint_gm = _functionalize(joint_gm, primals, tangents)
+    if layers is not None and layers.stamped:
+        stamp.check_no_fake_constants(joint_gm)  # a copy read untracked (_Emitter.exported)
     if layers is not None and layers.groups:
         # (layer runs copied, runs of a traced group traced op by op): tests and benchmarks
         joint_gm.meta["dynamo_dist_layer_capture"] = (layers.stamped, layers.traced)

@@ -322,6 +322,9 @@ class _Emitter:
         self.inputs = placeholders[:len(joint.tensor_inputs)]
         self.tangents = placeholders[len(joint.tensor_inputs):]
         self.output = next(iter(joint.graph.find_nodes(op="output")))
+        # the values handed back to the program (outputs, gradients): the only copies make_fx
+        # must track; the rest are read by other copies, through ``env`` (``stamp.place``)
+        self.exported = {a for a in self.output.args[0] if isinstance(a, fx.Node)}
 
     def _bind(self, pairs: list[tuple[fx.Node, torch.Tensor]]) -> None:
         for ph, t in pairs:
@@ -383,7 +386,8 @@ class _Emitter:
             if isinstance(val, torch.Tensor) or isinstance(val, (tuple, list)) and \
                     any(isinstance(v, torch.Tensor) for v in val):
                 val = self.fakes.copy(val)
-            new = place(self.tracer, n, args, kwargs, val, meta, name)
+            new = place(self.tracer, n, args, kwargs, val, meta, name,
+                        track=n in self.exported)
             self.env[n], self.vals[n] = new, val
             n = n.next
 

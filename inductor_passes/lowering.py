@@ -365,6 +365,8 @@ def lower(gm: fx.GraphModule, plan: Plan, mesh, num_fwd_outputs: int,
                                        decomposition_table=compat.select_decomp_table(),
                                        tracing_mode="fake", record_stack_traces=True,
                                        )(primal_fakes, tangent_fakes)
+    if segs:
+        stamp.check_no_fake_constants(local_gm)
     # flat calling convention (one placeholder per tensor), as the partitioner and Inductor expect
     local_gm.graph._codegen = fx.graph.CodeGen()
     compat.binary_size_arithmetic(local_gm)

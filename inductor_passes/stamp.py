@@ -256,10 +256,22 @@ class LayerStamper:
                 fakes.keep(n.meta.get("val"))
                 continue
             vals[n] = fakes.copy(n.meta.get("val"))
-        self._emit(rec, gmap, lmap, reused, vals, objs)
+        self._emit(rec, gmap, lmap, reused, vals, objs, self._exported(rec, inst))
+
+    def _exported(self, rec: _Recording, inst: _Instance) -> set[fx.Node]:
+        """The representative's local nodes whose copies lowering may read after the stamp:
+        the values of the global nodes ``inst`` hands to a node outside it, and every move
+        the representative cached. Only these are tracked by make_fx (a tracked value is
+        snapshot and registered: about 20 us a node); the others are read by copies only,
+        through the node map."""
+        members = set(inst.nodes)
+        values = [self.env[a] for a, b in zip(rec.inst.nodes, inst.nodes)
+                  if any(u not in members for u in b.users)]
+        values += [self.cache[k] for k in rec.added]
+        return {self._node(t) for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)}
 
     def _emit(self, rec: _Recording, gmap: dict, lmap: dict, reused: set, vals: dict,
-              objs: dict) -> None:
+              objs: dict, exported: set[fx.Node]) -> None:
         graph, tracer = self.tracer.graph, self.tracer
         for n in rec.local:
             if n in reused:
@@ -272,7 +284,8 @@ class LayerStamper:
             for k in _META_FIELDS:
                 if k in src.meta and k != "seq_nr":
                     meta[k] = src.meta[k] if k == "stack_trace" else copy.copy(src.meta[k])
-            lmap[n] = new = place(tracer, n, args, kwargs, vals[n], meta)
+            lmap[n] = new = place(tracer, n, args, kwargs, vals[n], meta,
+                                  track=n in exported)
             objs[new] = vals[n]
 
         def mapped(t: torch.Tensor) -> torch.Tensor:
@@ -318,14 +331,27 @@ def _made_after(mark: fx.Node) -> list[fx.Node]:
     return made
 
 
+def check_no_fake_constants(gm: fx.GraphModule) -> None:
+    """Raise AssertionError where ``gm`` holds a fake tensor as a constant: make_fx makes a
+    constant of a value it does not track, so a copy read outside its segment without being
+    tracked (``LayerStamper._exported`` missing it) would become one."""
+    for node in gm.graph.find_nodes(op="get_attr"):
+        if _fake(getattr(gm, str(node.target), None)):
+            raise AssertionError(f"dynamo_dist: lowering made a fake tensor a constant "
+                                 f"({node.name}, read by {list(node.users)}): a copied value "
+                                 f"was read without being tracked (stamp._exported)")
+
+
 def place(tracer, n: fx.Node, args, kwargs, val: Any, meta: dict,
-          name: str | None = None) -> fx.Node:
+          name: str | None = None, track: bool = True) -> fx.Node:
     """A copy of node ``n`` added to the trace: ``args``/``kwargs`` its arguments in the copy,
-    ``val`` its fresh value (tracked as make_fx tracks an op's result), ``meta`` its metadata
-    but for the value, ``name`` its name (default: the graph's name for the target)."""
+    ``val`` its fresh value (tracked as make_fx tracks an op's result, unless ``track`` is
+    False: a value only other copies read, through the caller's node map, is the node's
+    ``val`` itself), ``meta`` its metadata but for the value, ``name`` its name (default: the
+    graph's name for the target)."""
     new = tracer.graph.create_node(n.op, n.target, args, kwargs, name, n.type)
     new.meta.update(meta)
-    if isinstance(val, torch.Tensor):
+    if isinstance(val, torch.Tensor) and track:
         compat.track_value(val, new, tracer, n.meta.get("tensor_meta"))
     else:
         new.meta["val"] = val
