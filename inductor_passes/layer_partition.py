@@ -368,9 +368,11 @@ class _Values:
             raise _Refused(f"a rewritten value: {why}") from why
 
 
-def _expand(gm: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]) -> None:
+def _expand(gm: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]
+            ) -> fx.GraphModule:
     """Each body call in ``gm`` (a partitioned forward or backward) replaced by its body's
-    nodes, which take the calling copy's own node metadata."""
+    nodes, which take the calling copy's own node metadata; the graph module to use in place
+    of ``gm`` (``compat.as_lazy``)."""
     calls = [n for n in gm.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH)
              if _PLAN in n.meta]
     for c in calls:
@@ -424,7 +426,8 @@ def _expand(gm: fx.GraphModule, plans: list[tuple[_Instance, _Split, str]]) -> N
             p._rename(p.meta.pop(_OWN_NAME))
             p.target = p.name
     gm.graph.lint()
-    gm.recompile()
+    # (lazy: every later pass edits the graph before Inductor, which never runs this code)
+    return compat.as_lazy(gm)
 
 
 def partition_by_layer(joint: fx.GraphModule, num_fwd_outputs: int, static: Sequence[int],
@@ -462,8 +465,7 @@ def partition_by_layer(joint: fx.GraphModule, num_fwd_outputs: int, static: Sequ
         if rewrite is not None:
             _rewrite(outer, rewrite)
         fw, bw = partition(outer, num_fwd_outputs=num_fwd_outputs, static=list(static))
-        for gm in (fw, bw):
-            _expand(gm, plans)
+        fw, bw = _expand(fw, plans), _expand(bw, plans)
     except _Refused as why:
         log.info("dynamo_dist: whole-graph partition: %s", why)
         return None

@@ -642,3 +642,32 @@ def test_inductor_cpu_accessors_and_the_options_torch_compile_hands_a_backend():
     assert compat.compile_options(wrapper) == {"inductor": False}
     assert compat.is_dist_compiler(wrapper)
     assert compat.compile_options(backend) == {} and compat.compile_options(None) == {}
+
+
+def test_lazy_graph_modules_generate_code_when_read_or_run():
+    """``graph_module`` inside ``lazy_graph_modules`` and ``as_lazy``: no code until the code is
+    read or the module called; then the same results as a plain GraphModule; ``as_lazy`` keeps
+    the graph, the attributes its nodes name and ``meta``."""
+    import torch.fx as fx
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3, 3))
+
+        def forward(self, x):
+            return torch.relu(x @ self.w)
+
+    plain = fx.symbolic_trace(M())
+    plain.meta["mark"] = 7
+    x = torch.randn(2, 3)
+    with compat.lazy_graph_modules():
+        lazy = compat.graph_module(plain, plain.graph)
+    assert "_code" not in lazy.__dict__  # no code generated yet
+    torch.testing.assert_close(lazy(x), plain(x))
+    assert "relu" in lazy.code
+    again = compat.as_lazy(plain)
+    assert again is not plain and again.graph is plain.graph and again.meta == {"mark": 7}
+    assert again.w is plain.w and "_code" not in again.__dict__
+    torch.testing.assert_close(again(x), plain(x))
+    assert compat.as_lazy(again) is again  # already lazy: marked, the same module

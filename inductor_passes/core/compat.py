@@ -1006,6 +1006,23 @@ def graph_module(root, graph: "torch.fx.Graph") -> "torch.fx.GraphModule":
     return _make_graph_module(root, graph)
 
 
+def as_lazy(gm: "torch.fx.GraphModule") -> "torch.fx.GraphModule":
+    """``gm`` as a lazy graph module (``lazy_graph_modules``): ``gm`` itself, marked for a
+    new code generation, where it is one; otherwise a new one over the same graph, holding the
+    attributes its nodes name and ``gm.meta``. Callers use the result in place of ``gm``."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:
+        gm.recompile()
+        return gm
+    if isinstance(gm, _LazyGraphModule):
+        gm.recompile()
+        return gm
+    new = _LazyGraphModule(gm, gm.graph)
+    new.meta.update(gm.meta)
+    return new
+
+
 def fast_region_fingerprints(active: Callable[[], bool]) -> bool:
     """Dynamo's fingerprint of a region call's arguments (``invoke_subgraph``'s reuse lookup)
     built in Python while ``active()``: the argument containers (tuples, lists, plain dicts
