@@ -409,10 +409,14 @@ class _GlobalInterpreter(fx.Interpreter):
         self._node = n
         if self.layers is not None:
             if self.recording:
+                if self.layers.skip(self.env, n, self._manual, self.manual_nodes):
+                    return self.env[n]  # a later run of a layer: outputs like its first's
                 self.layers.record(self.env, n)
             elif self.layers.stamp(self.env, n, self._manual):
                 return self.env[n]  # the whole layer, copied from its group's layer joint
         out = super().run_node(n)
+        if self.recording and self.layers is not None:
+            self.layers.recorded(self.env, n, out)
         if n.op != "output" and any(id(t) in self._manual for t in _tensors(out)):
             self.manual_nodes.add(n.name)
         if n.op != "output" and torch.is_grad_enabled():
@@ -708,6 +712,7 @@ def trace_joint(gm: fx.GraphModule, example_inputs: Sequence[Any],
     if layers is not None and layers.groups:
         # (layer runs copied, runs of a traced group traced op by op): tests and benchmarks
         joint_gm.meta["dynamo_dist_layer_capture"] = (layers.stamped, layers.traced)
+        joint_gm.meta["dynamo_dist_layer_runs_skipped"] = layers.skipped  # recording run
         log.info("dynamo_dist: %d layer runs captured as copies of %d traced layer(s)",
                  layers.stamped, len(layers.joints))
     mutated = _lift_input_mutations(joint_gm, len(flat_outs), mesh, tensor_infos)

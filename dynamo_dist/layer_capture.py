@@ -170,6 +170,10 @@ def _layout(t: torch.Tensor) -> tuple:
     return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
 
 
+# the non-tensor inputs two runs must hold equal for the recording run to skip one
+_CONSTANT_TYPES = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
 def _plain(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and getattr(t, "fake_mode", None) is not None and \
         not compat.has_symbolic_shape(t)
@@ -458,6 +462,71 @@ class LayerCapture:
         self.values: dict[int, list] = {}
         self.joints: dict[int, LayerJoint] = {}
         self.stamped = self.traced = 0
+        # the recording run: each group's first run's output values, for its later runs
+        self.last: dict[fx.Node, tuple[int, Run]] = {
+            group[0].nodes[-1]: (g, group[0]) for g, group in enumerate(self.groups)}
+        self.first_outs: dict[int, list] = {}
+        self.skipped = 0
+        # a backward traced into the program must reach every layer's parameters in the
+        # recording run (``capture._check_backward_reaches_every_leaf``): nothing is skipped
+        self.may_skip = not any(
+            n.target in (torch.autograd.grad, torch.autograd.backward) or
+            n.op == "call_method" and n.target == "backward" for n in gm.graph.nodes)
+
+    def recorded(self, env: dict, node: fx.Node, value: Any) -> None:
+        """``node`` ran in the recording run, giving ``value``: the last node of a group's first
+        run notes the run's output values (``skip``)."""
+        hit = self.last.get(node)
+        if hit is None or self.values.get(hit[0]) is None:
+            return
+        g, run = hit
+        self.first_outs[g] = [value if run.nodes[j] is node else env[run.nodes[j]]
+                              for j in run.outputs]
+
+    def skip(self, env: dict, node: fx.Node, manual: set[int], manual_nodes: set[str]) -> bool:
+        """In the recording run (which learns which outputs are differentiable and notes each
+        group's first inputs), a later run of a group is not run op by op: its outputs are
+        fresh fakes laid out, aliased and requiring grad as its first run's were, given the
+        same input layouts, constants and gradient needs. False (run it) otherwise: about 1 s
+        of op-by-op fake execution at 32 layers of the demo-width Llama."""
+        hit = self.first.get(node)
+        if hit is None or not self.may_skip:
+            return False
+        g, run = hit
+        first = self.groups[g][0]
+        if run is first or g not in self.first_outs or \
+                any(n.name in manual_nodes for n in first.nodes):
+            return False
+        theirs, mine = self.values[g], [env[x] for x in run.inputs]
+        pairs = []
+        for a, b in zip(theirs, mine):
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                if not (_plain(a) and _plain(b)) or id(b) in manual or \
+                        _layout(a) != _layout(b):
+                    return False
+                pairs.append((a, b))
+            elif type(a) is not type(b) or type(a) not in _CONSTANT_TYPES or a != b:
+                return False
+        outs = self.first_outs[g]
+        if not pairs or not all(_plain(t) for o in outs
+                                for t in (o if isinstance(o, (tuple, list)) else (o,))):
+            return False
+        fakes = FakeCopier(pairs[0][1].fake_mode, pairs)
+        try:
+            copies = [fakes.copy(o) for o in outs]
+        except NotStamped:
+            return False
+        for o, c in zip(outs, copies):
+            for t, u in zip(o if isinstance(o, (tuple, list)) else (o,),
+                            c if isinstance(c, (tuple, list)) else (c,)):
+                if t.requires_grad and not u.requires_grad:
+                    u.requires_grad_(True)
+        for n in run.nodes:
+            env[n] = None
+        for j, c in zip(run.outputs, copies):
+            env[run.nodes[j]] = c
+        self.skipped += 1
+        return True
 
     def record(self, env: dict, node: fx.Node) -> None:
         hit = self.first.get(node)

@@ -54,6 +54,7 @@ def _captured_both_ways(monkeypatch) -> list:
             program = _TRACE(*args, **kwargs)
             gm = program.graph_module
             got[flag] = (gm.meta.get("dynamo_dist_layer_capture"), _canonical(gm))
+            got[f"skipped{flag}"] = gm.meta.get("dynamo_dist_layer_runs_skipped")
         runs.append(got)
         return program
 
@@ -78,6 +79,8 @@ def test_a_copied_layer_is_the_layer_traced_op_by_op(fake_mesh, monkeypatch, axe
     one_step_without_inductor(fake_mesh(*axes), 6)
     assert len(runs) == 1
     assert _assert_same(runs[0]) == (6, 0)
+    # the run before the trace ran the first layer op by op and skipped the other five
+    assert runs[0]["skipped1"] == 5 and runs[0]["skipped0"] is None
 
 
 def test_a_model_with_copied_layers_trains_at_parity(fake_mesh):
