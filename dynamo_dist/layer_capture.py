@@ -365,18 +365,29 @@ class _Emitter:
 
     def _emit(self, start: fx.Node | None, stop: fx.Node | None) -> None:
         graph = self.tracer.graph
+        nodes = []
         n = start
         while n is not None and n is not stop and n.op != "output":
+            nodes.append(n)
+            n = n.next
+        copies = {}  # the fresh values first, in order, in one batch (``FakeCopier.batch``)
+        with self.fakes.batch():
+            for n in nodes:
+                val = n.meta.get("val")
+                if isinstance(val, torch.Tensor) or n.op != "get_attr" and \
+                        isinstance(val, (tuple, list)) and \
+                        any(isinstance(v, torch.Tensor) for v in val):
+                    copies[n] = self.fakes.copy(val)
+        for n in nodes:
             if n.op == "get_attr":  # each run makes its constant anew, as the layer's code does
                 new = self._constant(self.joint.attrs[n.target])
                 new.meta.update(self._meta(n.meta))
-                val = n.meta.get("val")
+                val = copies.get(n, n.meta.get("val"))
                 if isinstance(val, torch.Tensor):
-                    new.meta["val"] = val = self.fakes.copy(val)
+                    new.meta["val"] = val
                     if "tensor_meta" in n.meta:
                         new.meta["tensor_meta"] = n.meta["tensor_meta"]
                 self.env[n], self.vals[n] = new, val
-                n = n.next
                 continue
             args, kwargs = fx.map_arg((n.args, n.kwargs), self.env.__getitem__)
             # named as make_fx names an op's node (by its overload packet)
@@ -386,14 +397,10 @@ class _Emitter:
             if "eager_input_vals" in n.meta:  # a custom op's inputs as it saw them: this run's
                 meta["eager_input_vals"] = fx.map_arg(
                     (tuple(args), dict(kwargs)), lambda a: a.meta.get("val"))
-            val = n.meta.get("val")
-            if isinstance(val, torch.Tensor) or isinstance(val, (tuple, list)) and \
-                    any(isinstance(v, torch.Tensor) for v in val):
-                val = self.fakes.copy(val)
+            val = copies.get(n, n.meta.get("val"))
             new = place(self.tracer, n, args, kwargs, val, meta, name,
                         track=n in self.exported)
             self.env[n], self.vals[n] = new, val
-            n = n.next
 
     def _constant(self, value: torch.Tensor) -> fx.Node:
         """A ``get_attr`` of a copy of ``value``, registered as make_fx registers a tensor
