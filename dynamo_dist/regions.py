@@ -12,7 +12,8 @@ backend inlines every call before capture (``compat.inline_nested_compile_region
 program planned and compiled is the one Dynamo would have traced inline. The user's classes
 and modules are not touched, and other backends trace as before. A module with hooks or a
 patched ``forward`` is called as usual (a region would skip its hooks), and so is one inside
-another higher-order op's body. Modules are found from the compiled frame's locals (a model
+another higher-order op's body, one handed a Python object (a KV cache), and one holding a
+simulated rank's ``LocalTensor`` values. Modules are found from the compiled frame's locals (a model
 reached only through a global is traced inline). When the frame fails to trace with regions
 (a graph break inside a layer, a layer returning one of its inputs, inputs that are views of
 one tensor: torch's ``invoke_subgraph`` takes none of these), it is traced again with every
@@ -219,7 +220,11 @@ def install_layer_regions() -> bool:
         if frame is None or self.source is None or \
                 tx.output.current_tracer.parent is not None or \
                 type(module) in _REFUSED or not frame.is_layer(module) or \
-                not _plain_call(module):
+                not _plain_call(module) or compat.local_tensor_mode_active() or \
+                compat.holds_local_tensors(module) or \
+                not compat.region_arguments_plain(args, kwargs):
+            # (simulated ranks: torch 2.13's region tracing takes fake tensors only, and
+            # refuses the LocalTensors a simulated program's values are)
             return original(self, tx, args, kwargs)
         frame.used = True
         # what Dynamo's own module call installs and records (``call_function`` above)

@@ -671,3 +671,15 @@ def test_lazy_graph_modules_generate_code_when_read_or_run():
     assert again.w is plain.w and "_code" not in again.__dict__
     torch.testing.assert_close(again(x), plain(x))
     assert compat.as_lazy(again) is again  # already lazy: marked, the same module
+
+
+def test_holds_local_tensors_sees_simulated_values():
+    """A module whose parameter is a DTensor over a LocalTensor (simulated ranks) holds local
+    tensors; a plain one does not."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    plain = torch.nn.Linear(2, 2)
+    assert not compat.holds_local_tensors(plain)
+    simulated = torch.nn.Linear(2, 2)
+    simulated.weight = torch.nn.Parameter(LocalTensor({0: torch.ones(2, 2), 1: torch.ones(2, 2)}))
+    assert compat.holds_local_tensors(simulated)

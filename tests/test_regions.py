@@ -337,7 +337,8 @@ def test_region_arguments_are_fingerprinted_in_python_as_dynamo_does(mesh_of_one
                 assert a.as_python_constant() == b.as_python_constant()
 
 
-def test_a_transformers_model_compiled_directly_traces_its_layers_once(mesh_of_one, caplog):
+def test_a_transformers_model_compiled_directly_traces_its_layers_once(mesh_of_one, caplog,
+                                                                        monkeypatch):
     """``torch.compile(hf_model)`` compiles transformers' wrapper frame
     (``wrapped_func(*args, **kwargs)``): its layers are found through ``args`` and made
     regions, looked up with the Python fingerprint, and the step is one device's."""
@@ -345,8 +346,11 @@ def test_a_transformers_model_compiled_directly_traces_its_layers_once(mesh_of_o
 
     from torch._dynamo.variables import invoke_subgraph as isg
 
+    from dynamo_dist import regions
     from dynamo_dist.testing.models import LlamaSize, build_llama, token_batch
 
+    # (a fresh process's state: a class refused by an earlier test in this worker is inline)
+    monkeypatch.setattr(regions, "_REFUSED", set())
     size = LlamaSize(layers=3)
     ref = build_llama(size)
     model = copy.deepcopy(ref)
@@ -364,3 +368,45 @@ def test_a_transformers_model_compiled_directly_traces_its_layers_once(mesh_of_o
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
     assert _inlined(caplog.records) == size.layers
     assert getattr(isg.build_fingerprint_with_pytree, "_dynamo_dist_patch", False)
+
+
+def test_a_layer_handed_a_python_object_is_called_inline(mesh_of_one, caplog):
+    """A call passing an object a region's reuse cannot compare (transformers' KV cache, which
+    each layer updates in place) is traced inline, with no failed attempt: a region here made
+    ``generate`` hand the backend a symbolic number, and its failure refused the layer class
+    for the rest of the process."""
+    import logging
+
+    from dynamo_dist import regions
+
+    class Cache:
+        def __init__(self):
+            self.seen = []
+
+    class Layer(_Block):
+        def forward(self, x, cache=None):
+            cache.seen.append(1)
+            return torch.relu(self.lin(x))
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Layer() for _ in range(3))
+
+        def forward(self, x, cache):
+            for layer in self.layers:
+                x = layer(x, cache=cache)
+            return x.sum()
+
+    torch.manual_seed(0)
+    ref = Stack()
+    model = copy.deepcopy(ref)
+    distribute_module(model, mesh_of_one(("tp",)))
+    torch._dynamo.reset()
+    x = torch.randn(4, D)
+    with caplog.at_level(logging.INFO, logger="dynamo_dist"):
+        loss = torch.compile(model, backend="dist", options={"inductor": False})(x, Cache())
+    torch.testing.assert_close(loss.full_tensor(), ref(x, Cache()))
+    assert _inlined(caplog.records) == 0
+    assert not any("failed" in r.getMessage() for r in caplog.records)
+    assert Layer not in regions._REFUSED

@@ -467,6 +467,19 @@ def local_tensor_mode_active() -> bool:
     return enabled_local_tensor_mode() is not None
 
 
+def holds_local_tensors(module: torch.nn.Module) -> bool:
+    """Whether a parameter or buffer of ``module`` is a LocalTensor, or a DTensor over one (the
+    values of simulated ranks; 2.13)."""
+    try:
+        from torch.distributed._local_tensor import LocalTensor
+    except ImportError:  # torch 2.11 has no LocalTensorMode
+        return False
+    for t in (*module.parameters(), *module.buffers()):
+        if isinstance(getattr(t, "_local_tensor", t), LocalTensor):
+            return True
+    return False
+
+
 def local_tensor_rng_states() -> dict[int, torch.Tensor] | None:
     """Rank -> CPU generator state of the enabled LocalTensorMode (2.13: each simulated rank
     draws from its own state, set from the global one when the mode is entered or seeded), or
@@ -1060,6 +1073,18 @@ def fast_region_fingerprints(active: Callable[[], bool]) -> bool:
 
 class _NotFlat(Exception):
     """An argument the Python fingerprint does not take."""
+
+
+def region_arguments_plain(args: list, kwargs: dict) -> bool:
+    """Whether a call's arguments (Dynamo's variable trackers) are tensors, numbers, constants
+    and modules, or tuples, lists and plain dicts of them: what a region's reuse can compare
+    (``fast_region_fingerprints``). A Python object (transformers' KV cache, which each layer
+    updates in place) is not (checked on 2.13)."""
+    try:
+        from torch._dynamo.variables import invoke_subgraph as isg
+    except ImportError:
+        return False
+    return _fingerprint_in_python(isg, args, kwargs) is not None
 
 
 def _fingerprint_in_python(isg, fn_args_vt, kwargs):
