@@ -456,6 +456,15 @@ class _Stamp(torch.autograd.Function):
         return (None, *ctx.emitter.backward(grads))
 
 
+def _settle(env: dict, run: Run, outs: Any) -> None:
+    """The interpreter's environment after ``run``: its outputs' values, None for its other
+    nodes (the interpreter skips the nodes it already holds)."""
+    for n in run.nodes:
+        env[n] = None
+    for j, out in zip(run.outputs, outs):
+        env[run.nodes[j]] = out
+
+
 class LayerCapture:
     """Drives copying from the capture interpreter: ``record`` during the forward run that
     precedes the trace (the first run of each group notes its input values), ``trace_joints``
@@ -528,10 +537,7 @@ class LayerCapture:
                             c if isinstance(c, (tuple, list)) else (c,)):
                 if t.requires_grad and not u.requires_grad:
                     u.requires_grad_(True)
-        for n in run.nodes:
-            env[n] = None
-        for j, c in zip(run.outputs, copies):
-            env[run.nodes[j]] = c
+        _settle(env, run, copies)
         self.skipped += 1
         return True
 
@@ -590,9 +596,6 @@ class LayerCapture:
             return False
         emitter = _Emitter(joint, self.groups[g][0], run, tensors[0].fake_mode)
         outs = _Stamp.apply(emitter, *tensors)
-        for n in run.nodes:
-            env[n] = None
-        for j, out in zip(run.outputs, outs):
-            env[run.nodes[j]] = out
+        _settle(env, run, outs)
         self.stamped += 1
         return True

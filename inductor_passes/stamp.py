@@ -274,7 +274,7 @@ class LayerStamper:
 
     def _emit(self, rec: _Recording, gmap: dict, lmap: dict, reused: set, vals: dict,
               objs: dict, exported: set[fx.Node]) -> None:
-        graph, tracer = self.tracer.graph, self.tracer
+        tracer = self.tracer
         for n in rec.local:
             if n in reused:
                 lmap[n] = n

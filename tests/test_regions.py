@@ -264,6 +264,22 @@ def test_repeated_leaf_modules_are_traced_inline(mesh_of_one, caplog):
     assert _inlined(caplog.records) == 0
 
 
+def _compiled_on_one(cls, mesh, caplog, *inputs):
+    """(reference, model, the model's loss): ``cls()`` and a copy of it with DTensor
+    parameters on ``mesh``, the copy compiled for ``dist`` without Inductor and called on
+    ``inputs``, its log kept in ``caplog``."""
+    import logging
+
+    torch.manual_seed(0)
+    ref = cls()
+    model = copy.deepcopy(ref)
+    distribute_module(model, mesh)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="dynamo_dist"):
+        loss = torch.compile(model, backend="dist", options={"inductor": False})(*inputs)
+    return ref, model, loss
+
+
 class _KwBlock(_Block):
     """Called as transformers calls a decoder layer: keyword arguments, a tuple of tensors
     (the rotary ``(cos, sin)``), a None and a number."""
@@ -293,8 +309,6 @@ def test_region_arguments_are_fingerprinted_in_python_as_dynamo_does(mesh_of_one
     (``compat.fast_region_fingerprints``) equals the one Dynamo traces through pytree: the
     same spec, leaf kinds, sources, graph values and constants; and the layers are reused
     and train as one device does."""
-    import logging
-
     from torch._dynamo.variables import invoke_subgraph as isg
 
     from inductor_passes.core import compat
@@ -309,14 +323,8 @@ def test_region_arguments_are_fingerprinted_in_python_as_dynamo_does(mesh_of_one
         return installed(tx, args, kwargs)
 
     monkeypatch.setattr(isg, "build_fingerprint_with_pytree", spy)
-    torch.manual_seed(0)
-    ref = _KwStack()
-    model = copy.deepcopy(ref)
-    distribute_module(model, mesh_of_one(("tp",)))
-    torch._dynamo.reset()
     x = torch.randn(4, D)
-    with caplog.at_level(logging.INFO, logger="dynamo_dist"):
-        loss = torch.compile(model, backend="dist", options={"inductor": False})(x)
+    ref, model, loss = _compiled_on_one(_KwStack, mesh_of_one(("tp",)), caplog, x)
     loss.backward()
     expected = ref(x)
     expected.backward()
@@ -375,8 +383,6 @@ def test_a_layer_handed_a_python_object_is_called_inline(mesh_of_one, caplog):
     each layer updates in place) is traced inline, with no failed attempt: a region here made
     ``generate`` hand the backend a symbolic number, and its failure refused the layer class
     for the rest of the process."""
-    import logging
-
     from dynamo_dist import regions
 
     class Cache:
@@ -398,14 +404,8 @@ def test_a_layer_handed_a_python_object_is_called_inline(mesh_of_one, caplog):
                 x = layer(x, cache=cache)
             return x.sum()
 
-    torch.manual_seed(0)
-    ref = Stack()
-    model = copy.deepcopy(ref)
-    distribute_module(model, mesh_of_one(("tp",)))
-    torch._dynamo.reset()
     x = torch.randn(4, D)
-    with caplog.at_level(logging.INFO, logger="dynamo_dist"):
-        loss = torch.compile(model, backend="dist", options={"inductor": False})(x, Cache())
+    ref, _, loss = _compiled_on_one(Stack, mesh_of_one(("tp",)), caplog, x, Cache())
     torch.testing.assert_close(loss.full_tensor(), ref(x, Cache()))
     assert _inlined(caplog.records) == 0
     assert not any("failed" in r.getMessage() for r in caplog.records)
