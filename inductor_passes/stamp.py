@@ -339,9 +339,10 @@ def check_no_fake_constants(gm: fx.GraphModule) -> None:
     tracked (``LayerStamper._exported`` missing it) would become one."""
     for node in gm.graph.find_nodes(op="get_attr"):
         if _fake(getattr(gm, str(node.target), None)):
-            raise AssertionError(f"dynamo_dist: lowering made a fake tensor a constant "
+            raise AssertionError(f"dynamo_dist: a trace made a fake tensor a constant "
                                  f"({node.name}, read by {list(node.users)}): a copied value "
-                                 f"was read without being tracked (stamp._exported)")
+                                 f"was read without being tracked (LayerStamper._exported in "
+                                 f"lowering, _Emitter.exported in capture)")
 
 
 def place(tracer, n: fx.Node, args, kwargs, val: Any, meta: dict,
